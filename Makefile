@@ -1,0 +1,37 @@
+# Quick start: `make run` (embedded demo) and `make test` (the test suite).
+# Both create .venv when missing and install what they need; a stamp file makes
+# repeated runs skip the install unless pyproject.toml changed.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# torch is pinned here (not in pyproject) so pip takes the CPU wheel on this machine
+# instead of resolving a multi-GB CUDA build; pyproject accepts any torch in range.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.adaptspec-installed
+
+.PHONY: run test install protos bench clean-venv
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) show torch >/dev/null 2>&1 || $(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/adaptspec demo
+
+test: $(STAMP)
+	$(VENV)/bin/adaptspec models pull smollm2-135m
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(VENV)/bin/adaptspec bench
+
+clean-venv:
+	rm -rf $(VENV)
