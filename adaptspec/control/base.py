@@ -1,0 +1,85 @@
+"""The one policy interface: ``choose(request_class, load) -> Arm`` and ``observe(outcome)``."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from adaptspec.control.planner import ArmTable, BatchPicture
+from adaptspec.control.types import DRAFTERS, MAX_K, Arm, ClassTarget, DecisionStats, Load, StepOutcome
+
+Clock = Callable[[], float]
+
+
+@dataclass(slots=True)
+class PolicyConfig:
+    """What every policy is built from."""
+
+    drafters: tuple[str, ...] = ("ngram", "draft")  # drafters the deployment has
+    max_k: int = 8
+    targets: tuple[ClassTarget, ...] = ()
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for d in self.drafters:
+            if d not in DRAFTERS:
+                raise ValueError(f"drafters: {d!r} is not one of {DRAFTERS}")
+        if not 1 <= self.max_k <= MAX_K:
+            raise ValueError(f"max_k: {self.max_k} is outside 1..{MAX_K}")
+
+    def target_map(self) -> dict[str, ClassTarget]:
+        return {t.request_class: t for t in self.targets}
+
+
+def draft_positions(step: StepOutcome, max_k: int) -> tuple[np.ndarray, int]:
+    """[max_k] requests drafting with the draft model at each position, and n-gram requests."""
+    batch = np.zeros(max_k)
+    ngram = 0
+    for g in step.groups:
+        if g.arm.drafter == "draft":
+            batch[: min(g.arm.k, max_k)] += g.num_requests
+        elif g.arm.drafter == "ngram":
+            ngram += g.num_requests
+    return batch, ngram
+
+
+class Policy:
+    """Base class: timing of decisions, the batch picture, decision stats.
+
+    Subclasses implement ``_choose`` and ``_observe``. The clock is injected (defaults to
+    ``time.perf_counter``) and used only to measure decision cost.
+    """
+
+    name = "policy"
+
+    def __init__(self, config: PolicyConfig | None = None, *, clock: Clock = time.perf_counter) -> None:
+        self.config = config or PolicyConfig()
+        self.table = ArmTable.build(self.config.drafters, self.config.max_k)
+        self.targets = self.config.target_map()
+        self.picture = BatchPicture()
+        self.stats = DecisionStats()
+        self.rng = np.random.default_rng(self.config.seed)
+        self._clock = clock
+
+    def choose(self, request_class: str, load: Load) -> Arm:
+        t0 = self._clock()
+        arm = self._choose(request_class, load)
+        self.stats.observe_decision(request_class, arm, self._clock() - t0)
+        return arm
+
+    def observe(self, outcome: StepOutcome) -> None:
+        self.picture.observe(outcome)
+        self._observe(outcome)
+        self.stats.observed_steps += 1
+
+    def _choose(self, request_class: str, load: Load) -> Arm:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _observe(self, outcome: StepOutcome) -> None:
+        pass
+
+    def describe_targets(self) -> str:
+        """How this policy treats latency targets (for reports)."""
+        return "ignores latency targets"

@@ -1,0 +1,127 @@
+"""Baselines: static, vLLM-style batch-size schedule, SGLang-style EMA, transformers +2/-1.
+
+None of them reads latency targets: the operator's choice of k (static, schedule) is how a
+target is met, and the adaptive ones follow acceptance only.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from adaptspec.control.base import Clock, Policy, PolicyConfig
+from adaptspec.control.types import NO_SPEC, Arm, Load, StepOutcome
+
+
+class StaticPolicy(Policy):
+    """Always the same arm."""
+
+    name = "static"
+
+    def __init__(self, arm: Arm, config: PolicyConfig | None = None, *, clock: Clock = time.perf_counter) -> None:
+        super().__init__(config, clock=clock)
+        self.arm = arm
+        self.name = f"static-{arm}"
+
+    def _choose(self, request_class: str, load: Load) -> Arm:
+        return self.arm
+
+
+@dataclass(slots=True, frozen=True)
+class ScheduleRange:
+    start: int  # batch size, inclusive
+    end: int  # batch size, inclusive
+    k: int
+
+
+class BatchSchedulePolicy(Policy):
+    """vLLM-style: k from a schedule of ``[start, end, k]`` batch-size ranges (offline profiled)."""
+
+    name = "vllm-schedule"
+
+    def __init__(self, drafter: str, schedule: list[ScheduleRange], config: PolicyConfig | None = None,
+                 *, clock: Clock = time.perf_counter) -> None:
+        super().__init__(config, clock=clock)
+        for i, r in enumerate(schedule):
+            if r.start > r.end or r.k < 0:
+                raise ValueError(f"schedule[{i}]: need start <= end and k >= 0, got {r}")
+        self.drafter = drafter
+        self.schedule = sorted(schedule, key=lambda r: r.start)
+
+    def _choose(self, request_class: str, load: Load) -> Arm:
+        b = load.batch_size
+        for r in self.schedule:
+            if r.start <= b <= r.end:
+                return Arm(self.drafter, r.k)
+        return NO_SPEC  # outside every range: no speculation
+
+
+class EmaPolicy(Policy):
+    """SGLang-style: an EMA of the acceptance rate per class moves k with hysteresis.
+
+    k goes up by one when the EMA of accepted/drafted exceeds ``up`` and down by one when
+    it falls below ``down``; between the two thresholds k holds (the hysteresis band).
+    Changes are at most one per ``cooldown`` observed steps of the class.
+    """
+
+    name = "ema"
+
+    def __init__(self, drafter: str, config: PolicyConfig | None = None, *, start_k: int = 4,
+                 alpha: float = 0.1, up: float = 0.8, down: float = 0.5, cooldown: int = 10,
+                 clock: Clock = time.perf_counter) -> None:
+        super().__init__(config, clock=clock)
+        if not 0 < down < up < 1:
+            raise ValueError(f"thresholds: need 0 < down < up < 1, got down={down}, up={up}")
+        self.drafter, self.start_k, self.alpha = drafter, start_k, alpha
+        self.up, self.down, self.cooldown = up, down, cooldown
+        self.k: dict[str, int] = {}
+        self.ema: dict[str, float] = {}
+        self.since: dict[str, int] = {}
+
+    def _choose(self, request_class: str, load: Load) -> Arm:
+        return Arm(self.drafter, self.k.setdefault(request_class, self.start_k))
+
+    def _observe(self, outcome: StepOutcome) -> None:
+        for g in outcome.groups:
+            if g.arm.k == 0 or g.arm.drafter != self.drafter:
+                continue
+            c = g.request_class
+            rate = g.accepted / (g.num_requests * g.arm.k)
+            e = self.ema.get(c, rate)
+            e += self.alpha * (rate - e)
+            self.ema[c] = e
+            self.since[c] = self.since.get(c, 0) + 1
+            if self.since[c] < self.cooldown:
+                continue
+            k = self.k.get(c, self.start_k)
+            if e > self.up and k < self.config.max_k:
+                self.k[c], self.since[c] = k + 1, 0
+            elif e < self.down and k > 1:
+                self.k[c], self.since[c] = k - 1, 0
+
+
+class HeuristicPolicy(Policy):
+    """transformers-style: k += 2 when all drafted were accepted, else k -= 1 (k >= 1).
+
+    Kept per class; a step's group of requests applies the rule once, by majority (all
+    accepted by at least half of the class's requests means +2).
+    """
+
+    name = "heuristic"
+
+    def __init__(self, drafter: str, config: PolicyConfig | None = None, *, start_k: int = 5,
+                 clock: Clock = time.perf_counter) -> None:
+        super().__init__(config, clock=clock)
+        self.drafter, self.start_k = drafter, start_k
+        self.k: dict[str, int] = {}
+
+    def _choose(self, request_class: str, load: Load) -> Arm:
+        return Arm(self.drafter, self.k.setdefault(request_class, self.start_k))
+
+    def _observe(self, outcome: StepOutcome) -> None:
+        for g in outcome.groups:
+            if g.arm.k == 0 or g.arm.drafter != self.drafter:
+                continue
+            all_accepted = int(g.accepted_hist[-1])
+            k = self.k.get(g.request_class, self.start_k)
+            k = k + 2 if 2 * all_accepted >= g.num_requests else k - 1
+            self.k[g.request_class] = min(max(k, 1), self.config.max_k)

@@ -1,0 +1,194 @@
+"""Step-cost models: the protocol the planner uses, and the online model fitted from steps.
+
+A step = draft (k sequential forwards of the draft model over the requests still drafting
+at each position, or n-gram lookups) + one batched target verification pass over
+``verify_tokens`` tokens reading ``context_tokens`` of KV cache + fixed overhead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from adaptspec.control.types import StepOutcome
+
+# hinge knots (tokens) of the piecewise-linear verify curve: flat while memory-bound,
+# then rising once the pass turns compute-bound
+VERIFY_KNOTS = (64.0, 256.0, 1024.0, 4096.0)
+_TOK = 1e-3  # feature scaling: thousands of tokens
+_CTX = 1e-6  # millions of context tokens
+
+
+class StepCostModel(Protocol):
+    """Predicts step seconds for candidate arms of one class joining the rest of a batch.
+
+    The draft model runs one forward per drafted position; at position j it carries the
+    other classes' requests still drafting (``draft_other[j]``) plus this class's
+    ``n_class`` requests when the candidate drafts with the draft model beyond j.
+    """
+
+    def predict(
+        self,
+        verify_tokens: np.ndarray,  # [A] tokens in the verification pass per candidate
+        context_tokens: float,  # KV tokens read by the step's decoding requests
+        draft_other: np.ndarray,  # [K] other requests drafting with the draft model at position j
+        n_class: float,  # requests of the deciding class
+        k_draft: np.ndarray,  # [A] k of each candidate if it uses the draft model, else 0
+        ngram_requests: np.ndarray,  # [A] requests drafting with n-gram lookup
+        mean_context: float,  # mean context per decoding request
+    ) -> np.ndarray:  # [A] predicted step seconds
+        ...
+
+
+def draft_batch(draft_other: np.ndarray, n_class: float, k_draft: np.ndarray) -> np.ndarray:
+    """[K], scalar, [A] -> [A, K] requests drafting with the draft model at each position."""
+    K = draft_other.size
+    return draft_other[None, :] + n_class * (np.arange(K)[None, :] < k_draft[:, None])
+
+
+def verify_features(verify_tokens: np.ndarray, context_tokens: float) -> np.ndarray:
+    """[A] tokens -> [A, 2 + len(VERIFY_KNOTS) + 1] design matrix."""
+    n = np.asarray(verify_tokens, dtype=float)
+    cols = [np.ones_like(n), n * _TOK]
+    cols += [np.maximum(n - kt, 0.0) * _TOK for kt in VERIFY_KNOTS]
+    cols.append(np.full_like(n, context_tokens * _CTX))
+    return np.stack(cols, axis=-1)
+
+
+def draft_features(forwards: np.ndarray, tokens: np.ndarray, ngram_requests: np.ndarray,
+                   mean_context: float) -> np.ndarray:
+    """[A] draft forwards, [A] drafted tokens, [A] n-gram requests -> [A, 4] design matrix."""
+    f = np.asarray(forwards, dtype=float)
+    t = np.asarray(tokens, dtype=float)
+    return np.stack([f, t * _TOK, t * mean_context * _CTX, np.asarray(ngram_requests, dtype=float) * _TOK], axis=-1)
+
+
+@dataclass(slots=True)
+class _DiscountedRidge:
+    """y ~ x . theta, evidence discounted per update, shrunk toward a prior theta0."""
+
+    dim: int
+    discount: float
+    prior_weight: float
+    theta0: np.ndarray
+    A: np.ndarray = field(init=False)
+    b: np.ndarray = field(init=False)
+    theta: np.ndarray = field(init=False)
+    _dirty: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        self.A = self.prior_weight * np.eye(self.dim)
+        self.b = self.prior_weight * self.theta0.copy()
+        self.theta = self.theta0.copy()
+
+    def seed(self, X: np.ndarray, y: np.ndarray, weight: float) -> None:
+        """Absorb pseudo-observations (from a profile) into the prior."""
+        A0 = self.prior_weight * np.eye(self.dim) + weight * X.T @ X
+        b0 = self.prior_weight * self.theta0 + weight * X.T @ y
+        self.theta0 = np.linalg.solve(A0, b0)
+        self.prior_weight = float(np.trace(A0) / self.dim)
+        self.A = A0
+        self.b = b0
+        self.theta = self.theta0.copy()
+
+    def update(self, x: np.ndarray, y: float) -> None:
+        g = self.discount
+        self.A *= g
+        self.b *= g
+        # keep (1 - g) of the prior each step so discounting never forgets it
+        self.A[np.diag_indices(self.dim)] += (1 - g) * self.prior_weight
+        self.b += (1 - g) * self.prior_weight * self.theta0
+        self.A += np.outer(x, x)
+        self.b += y * x
+        self._dirty = True
+
+    def coef(self) -> np.ndarray:
+        if self._dirty:
+            self.theta = np.linalg.solve(self.A, self.b)
+            self._dirty = False
+        return self.theta
+
+
+@dataclass(slots=True)
+class OnlineStepCost:
+    """Step cost learned online from observed steps; no offline profile required.
+
+    verify_s ~ piecewise-linear(verify_tokens) + c * context_tokens;
+    draft_s ~ d0 * forwards + d1 * drafted tokens + d2 * drafted tokens * context + g * n-gram requests;
+    other_s ~ discounted mean. Optionally seeded from a profile (``seed_from``).
+    """
+
+    discount: float = 0.998
+    prior_weight: float = 1e-6
+    verify: _DiscountedRidge = field(init=False)
+    draft: _DiscountedRidge = field(init=False)
+    other_s: float = field(init=False, default=0.0)
+    _other_w: float = field(init=False, default=0.0)
+    steps: int = field(init=False, default=0)
+    _stale: bool = field(init=False, default=True)
+    _xs: np.ndarray = field(init=False, default=None)
+    _ys: np.ndarray = field(init=False, default=None)
+    _ctx_coef: float = field(init=False, default=0.0)
+    _dl: list = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        dv = 3 + len(VERIFY_KNOTS)
+        self.verify = _DiscountedRidge(dv, self.discount, self.prior_weight, np.zeros(dv))
+        self.draft = _DiscountedRidge(4, self.discount, self.prior_weight, np.zeros(4))
+
+    def seed_from(self, model: StepCostModel, *, max_tokens: int = 4096, max_k: int = 8, weight: float = 0.05) -> None:
+        """Seed the prior with pseudo-steps predicted by ``model`` (e.g. a profile)."""
+        n = np.unique(np.geomspace(1, max_tokens, 24).astype(int)).astype(float)
+        none = np.zeros(n.size)
+        for ctx in (0.0, 256.0 * 64, 2048.0 * 128):
+            t0 = model.predict(n, ctx, np.zeros(max_k), 0.0, none, none, ctx / 64)
+            self.verify.seed(verify_features(n, ctx), t0, weight)
+        b = np.unique(np.geomspace(1, 256, 10).astype(int)).astype(float)
+        one = np.ones(b.size)
+        zero = np.zeros(b.size)
+        for k in (1, 4, max_k):
+            t = np.array([model.predict(one[:1], 0.0, np.zeros(max_k), nb, np.array([float(k)]), zero[:1], 0.0)[0]
+                          - model.predict(one[:1], 0.0, np.zeros(max_k), nb, zero[:1], zero[:1], 0.0)[0] for nb in b])
+            self.draft.seed(draft_features(np.full(b.size, float(k)), b * k, zero, 0.0), t, weight)
+        self._refresh()
+
+    def observe(self, step: StepOutcome, draft_batch: np.ndarray, ngram_requests: int, mean_context: float) -> None:
+        """draft_batch: [K] requests drafting with the draft model at each position."""
+        xv = verify_features(np.array([float(step.verify_tokens)]), float(step.context_tokens))[0]
+        self.verify.update(xv, step.verify_s)
+        forwards = np.array([float(np.count_nonzero(draft_batch))])
+        xd = draft_features(forwards, np.array([float(draft_batch.sum())]), np.array([float(ngram_requests)]),
+                            mean_context)[0]
+        self.draft.update(xd, step.draft_s)
+        g = self.discount
+        self._other_w = g * self._other_w + 1.0
+        self.other_s += (step.other_s - self.other_s) / self._other_w
+        self.steps += 1
+        self._stale = True
+
+    def _refresh(self) -> None:
+        """Turn the fitted coefficients into an interpolation table (cheap to evaluate)."""
+        v = self.verify.coef()
+        xs = np.array((0.0,) + VERIFY_KNOTS + (1e6,))
+        self._xs = xs
+        self._ys = verify_features(xs, 0.0)[:, :-1] @ v[:-1]
+        self._ctx_coef = v[-1] * _CTX
+        self._dl = [float(x) for x in self.draft.coef()]
+        self._stale = False
+
+    def predict(self, verify_tokens, context_tokens, draft_other, n_class, k_draft, ngram_requests, mean_context):
+        if self._stale:
+            self._refresh()
+        d0, d1, d2, d3 = self._dl
+        t = np.interp(verify_tokens, self._xs, self._ys)
+        t += self._ctx_coef * context_tokens + self.other_s
+        np.maximum(t, 1e-6, out=t)
+        other_fwd = float(np.count_nonzero(draft_other))
+        per_token = (d1 + d2 * mean_context * _TOK) * _TOK
+        td = np.maximum(k_draft, other_fwd) * d0 if n_class > 0 else np.full(k_draft.shape, d0 * other_fwd)
+        td += per_token * (float(draft_other.sum()) + n_class * k_draft)
+        td += (d3 * _TOK) * ngram_requests
+        np.maximum(td, 0.0, out=td)
+        t += td
+        return t

@@ -1,0 +1,55 @@
+"""The oracle: the planner fed with the true acceptance and cost models (the ceiling)."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import numpy as np
+
+from adaptspec.control.acceptance import accepted_length_curve
+from adaptspec.control.base import Clock, Policy, PolicyConfig
+from adaptspec.control.costmodel import StepCostModel
+from adaptspec.control.planner import Planner
+from adaptspec.control.types import Arm, Load
+
+# (request_class, drafter) -> [max_k] true conditional acceptance per position
+AcceptanceTruth = Callable[[str, str], np.ndarray]
+
+
+class OraclePolicy(Policy):
+    """Knows the true per-position acceptance of every (class, drafter) and the true step
+    cost; sees the batch as every policy does (from the last observed step) and plans with
+    the same goodput objective and TPOT constraints as the model-based policy."""
+
+    name = "oracle"
+
+    def __init__(self, acceptance: AcceptanceTruth, cost: StepCostModel, config: PolicyConfig | None = None,
+                 *, margin: float = 0.9, clock: Clock = time.perf_counter) -> None:
+        super().__init__(config, clock=clock)
+        self.truth = acceptance
+        self.cost = cost
+        self.planner = Planner(self.table, self.targets, margin)
+        self._lengths: dict[str, np.ndarray] = {}
+
+    def lengths(self, request_class: str) -> np.ndarray:
+        L = self._lengths.get(request_class)
+        if L is None:
+            parts = [np.ones(1)]
+            for d in self.config.drafters:
+                if d != "none":
+                    parts.append(accepted_length_curve(np.asarray(self.truth(request_class, d))[: self.config.max_k])[1:])
+            L = self._lengths[request_class] = np.concatenate(parts)
+        return L
+
+    def invalidate(self) -> None:
+        """Forget cached truths (the simulator calls this when a class's acceptance shifts)."""
+        self._lengths.clear()
+
+    def _choose(self, request_class: str, load: Load) -> Arm:
+        others = {c: float(self.lengths(c)[self.table.index(s.arm)])
+                  for c, s in self.picture.classes.items() if c != request_class and s.share > 0}
+        i = self.planner.plan(request_class, load, self.picture, self.lengths(request_class), others, self.cost)
+        return self.table.arms[i]
+
+    def describe_targets(self) -> str:
+        return "as the model-based policy, with the true models"

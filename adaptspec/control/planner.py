@@ -1,0 +1,193 @@
+"""The batch picture a policy keeps, and the planner that picks a class's arm within it.
+
+A request's arm changes the whole batch's step time, so an arm is judged by the goodput of
+the batch it joins: (emitted tokens of every request) / (predicted step time). The rest of
+the batch is taken from the last observed step (its class mix, arms, prefill tokens and
+context), scaled to the current batch size.
+
+Latency targets: a class with a TPOT target only takes arms whose predicted per-token
+latency (step time / accepted length) is within ``margin * target``; every class's arm must
+also keep the step time within the TPOT budget of every latency class in the batch. Among
+feasible arms the planner maximises goodput; when none is feasible, a latency class takes
+the arm with the lowest predicted TPOT and a throughput class the cheapest step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from adaptspec.control.costmodel import StepCostModel
+from adaptspec.control.types import NO_SPEC, Arm, ClassTarget, Load, StepOutcome
+
+
+@dataclass(slots=True)
+class ArmTable:
+    """The candidate arms as arrays: index 0 is no speculation."""
+
+    arms: list[Arm]
+    k: np.ndarray  # [A]
+    is_draft: np.ndarray  # [A] bool
+    is_ngram: np.ndarray  # [A] bool
+    below_k: np.ndarray  # [A, K] bool: position j (0-based) is drafted by the arm
+    positions: dict[Arm, int] = field(default_factory=dict)
+    k_draft: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [A] k if the draft model, else 0
+    ngram_f: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [A] 1.0 for n-gram arms
+    kp1: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [A] k + 1
+
+    @classmethod
+    def build(cls, drafters: tuple[str, ...], max_k: int) -> "ArmTable":
+        arms = [NO_SPEC] + [Arm(d, k) for d in drafters if d != "none" for k in range(1, max_k + 1)]
+        k = np.array([a.k for a in arms])
+        return cls(
+            arms,
+            k,
+            np.array([a.drafter == "draft" for a in arms]),
+            np.array([a.drafter == "ngram" for a in arms]),
+            np.arange(max_k)[None, :] < k[:, None],
+            {a: i for i, a in enumerate(arms)},
+            (k * np.array([a.drafter == "draft" for a in arms])).astype(float),
+            np.array([a.drafter == "ngram" for a in arms], dtype=float),
+            (k + 1).astype(float),
+        )
+
+    def index(self, arm: Arm) -> int:
+        """Position of ``arm``; an arm outside the table counts as no speculation."""
+        return self.positions.get(arm, 0)
+
+
+@dataclass(slots=True)
+class ClassSlot:
+    share: float = 0.0  # fraction of the last step's decoding requests
+    arm: Arm = NO_SPEC
+    emitted_per_request: float = 1.0
+
+
+@dataclass(slots=True)
+class BatchPicture:
+    """What the last observed steps say about the batch (discounted averages)."""
+
+    classes: dict[str, ClassSlot] = field(default_factory=dict)
+    prefill_tokens: float = 0.0
+    context_per_request: float = 0.0
+    decoding: float = 1.0
+    smoothing: float = 0.2
+    version: int = 0  # bumped by every observed step
+
+    def observe(self, step: StepOutcome) -> None:
+        s = self.smoothing
+        self.version += 1
+        n_dec = sum(g.num_requests for g in step.groups)
+        self.prefill_tokens += s * (step.num_prefill - self.prefill_tokens)
+        if n_dec:
+            self.context_per_request += s * (step.context_tokens / n_dec - self.context_per_request)
+            self.decoding += s * (n_dec - self.decoding)
+        seen: dict[str, tuple[int, int, Arm, int]] = {}
+        for g in step.groups:
+            n = g.num_requests
+            tot, emi, arm, best = seen.get(g.request_class, (0, 0, g.arm, 0))
+            if n > best:
+                arm, best = g.arm, n
+            seen[g.request_class] = (tot + n, emi + g.emitted, arm, best)
+        for c, slot in self.classes.items():
+            if c not in seen:
+                slot.share *= 1 - s
+        for c, (tot, emi, arm, _) in seen.items():
+            slot = self.classes.setdefault(c, ClassSlot())
+            slot.share += s * (tot / max(n_dec, 1) - slot.share)
+            slot.arm = arm
+            slot.emitted_per_request += s * (emi / tot - slot.emitted_per_request)
+
+
+@dataclass(slots=True)
+class _Mix:
+    """The rest of the batch as seen by one class, per request of the others."""
+
+    share: float  # this class's fraction of decoding requests
+    tokens: float  # verify tokens per other request
+    emitted: float  # emitted tokens per other request
+    draft: np.ndarray  # [K] fraction of other requests drafting with the draft model at j
+    ngram: float  # fraction of other requests drafting with n-gram lookup
+    budget: float  # step-time budget set by other classes' TPOT targets (inf: none)
+
+
+@dataclass(slots=True)
+class Planner:
+    table: ArmTable
+    targets: dict[str, ClassTarget]
+    margin: float = 0.9
+    _mixes: dict[str, _Mix] = field(default_factory=dict)
+    _version: int = -1
+
+    def _mix(self, request_class: str, picture: BatchPicture, others_length: dict[str, float]) -> _Mix:
+        if picture.version != self._version:
+            self._mixes.clear()
+            self._version = picture.version
+        mix = self._mixes.get(request_class)
+        if mix is not None:
+            return mix
+        slots = picture.classes
+        K = self.table.below_k.shape[1]
+        total = sum(s.share for s in slots.values())
+        mine = slots.get(request_class)
+        my_share = mine.share if mine is not None else 0.0
+        other_total = total - my_share
+        share = my_share / total if my_share > 0 else 1.0 / (len(slots) + 1)
+        tokens = emitted = ngram = 0.0
+        draft = np.zeros(K)
+        budget = np.inf
+        for c, s in slots.items():
+            if c == request_class or s.share <= 0:
+                continue
+            L_c = others_length.get(c, 1.0)
+            tgt = self.targets.get(c)
+            if tgt is not None and tgt.tpot_s is not None:
+                budget = min(budget, self.margin * tgt.tpot_s * L_c)
+            w = s.share / other_total
+            tokens += w * (s.arm.k + 1)
+            emitted += w * L_c
+            if s.arm.drafter == "draft":
+                draft[: s.arm.k] += w
+            elif s.arm.drafter == "ngram":
+                ngram += w
+        mix = self._mixes[request_class] = _Mix(share, tokens, emitted, draft, ngram, budget)
+        return mix
+
+    def plan(
+        self,
+        request_class: str,
+        load: Load,
+        picture: BatchPicture,
+        accepted_length: np.ndarray,  # [A] expected accepted length of each arm for this class
+        others_length: dict[str, float],  # expected accepted length of other classes' arms
+        cost: StepCostModel,
+    ) -> int:
+        """Index (in the arm table) of the best feasible arm for ``request_class``."""
+        t = self.table
+        mix = self._mix(request_class, picture, others_length)
+        B = max(load.batch_size, 1)
+        n_c = max(B * mix.share, 1.0)
+        n_o = max(B - n_c, 0.0)
+        ctx = load.context_tokens or picture.context_per_request * B
+        verify = (picture.prefill_tokens + n_o * mix.tokens) + n_c * t.kp1
+        ngram = n_o * mix.ngram + n_c * t.ngram_f
+        T = cost.predict(verify, ctx, n_o * mix.draft, n_c, t.k_draft, ngram, ctx / B)
+        L = accepted_length
+        goodput = (n_o * mix.emitted + n_c * L) / T
+        budget = mix.budget
+        tgt = self.targets.get(request_class)
+        if tgt is not None and tgt.tpot_s is not None:
+            tpot = T / L
+            feasible = tpot <= self.margin * tgt.tpot_s
+            if budget < np.inf:
+                feasible &= T <= budget
+            if not feasible.any():
+                return int(np.argmin(tpot))
+        elif budget < np.inf:
+            feasible = T <= budget
+            if not feasible.any():
+                return int(np.argmin(T))
+        else:
+            return int(np.argmax(goodput))
+        goodput[~feasible] = -np.inf
+        return int(np.argmax(goodput))

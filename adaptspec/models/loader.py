@@ -1,0 +1,69 @@
+"""Load a resolved model folder into our Llama forward plus its tokenizer."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from adaptspec.models.llama import LlamaConfig, LlamaModel
+from adaptspec.models.registry import resolve
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def parse_dtype(dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def parse_device(device) -> torch.device:
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available on this machine")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} must be cpu or cuda")
+    return dev
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    name: str
+    path: Path
+    model: LlamaModel
+    tokenizer: object  # a transformers tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.cfg.vocab_size
+
+
+def load_weights(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"model folder {folder} has no *.safetensors weights")
+    weights: dict[str, torch.Tensor] = {}
+    for f in files:
+        weights.update(load_file(f))
+    return weights
+
+
+def load_model(spec: str, dtype="float32", device="cpu", matmul: str | None = None,
+               quiet: bool = False) -> LoadedModel:
+    """Resolve ``spec`` (alias, folder, .gguf, hub id) and load it for inference."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    dt, dev = parse_dtype(dtype), parse_device(device)
+    folder = resolve(spec, quiet=quiet)
+    cfg = LlamaConfig.from_hf(AutoConfig.from_pretrained(folder))
+    # The transposed "fast" layout is a CPU BLAS choice; on CUDA cuBLAS handles F.linear well.
+    matmul = matmul or ("fast" if dev.type == "cpu" else "reference")
+    model = LlamaModel(cfg, load_weights(folder), dt, dev, matmul)
+    tok = AutoTokenizer.from_pretrained(folder)
+    return LoadedModel(name=str(spec), path=folder, model=model, tokenizer=tok)
