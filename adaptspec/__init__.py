@@ -1,0 +1,21 @@
+"""AdaptSpec: adaptive speculative decoding.
+
+``Engine``, ``SamplingParams`` and ``SpecConfig`` are loaded lazily so that the
+controller and simulator (``adaptspec.control``, ``adaptspec.sim``) import without torch.
+"""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+__all__ = ["Engine", "SamplingParams", "SpecConfig"]
+
+
+def __getattr__(name: str):
+    if name == "Engine":
+        from adaptspec.engine.engine import Engine
+
+        return Engine
+    if name in ("SamplingParams", "SpecConfig"):
+        from adaptspec.engine import params
+
+        return getattr(params, name)
+    raise AttributeError(f"module 'adaptspec' has no attribute {name!r}")

@@ -1,0 +1,44 @@
+"""Logits to sampling distributions, and sampling by inverse CDF from given uniforms.
+
+Temperature, top-k and top-p are applied row by row with per-row parameters, the same
+way to the target's and the draft's logits (exactness needs both processed alike).
+Sampling takes its uniform draws as input so that the pure-torch path and a fused
+kernel given the same draws produce the same tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [num_rows, vocab_size]
+    temperature: torch.Tensor,  # [num_rows] float, > 0
+    top_k: torch.Tensor,  # [num_rows] int, 0 = no cut
+    top_p: torch.Tensor,  # [num_rows] float in (0, 1]
+) -> torch.Tensor:  # [num_rows, vocab_size] float32, rows sum to 1
+    logits = logits.float() / temperature[:, None]
+    if bool((top_k > 0).any()):
+        vocab = logits.shape[-1]
+        kk = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
+        kth = torch.topk(logits, int(kk.max()), dim=-1).values.gather(1, (kk - 1)[:, None])  # [num_rows, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if bool((top_p < 1.0).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        before = sorted_p.cumsum(-1) - sorted_p  # mass strictly ahead of each token
+        drop_sorted = before >= top_p[:, None]  # keeps the smallest prefix reaching top_p (>= 1 token)
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample_from_probs(
+    probs: torch.Tensor,  # [num_rows, vocab_size], non-negative, rows need not be normalised
+    uniform: torch.Tensor,  # [num_rows] in [0, 1)
+) -> torch.Tensor:  # [num_rows] int64
+    """Inverse-CDF sampling: the first token whose cumulative mass exceeds ``u * total``."""
+    cdf = probs.float().cumsum(-1)
+    thresh = uniform.float()[:, None] * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, thresh, right=True).squeeze(1)
+    return idx.clamp(max=probs.shape[-1] - 1)

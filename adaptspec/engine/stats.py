@@ -1,0 +1,97 @@
+"""Speculation statistics: one place, consumed by logs, metrics, the controller and the simulator.
+
+Words as in the glossary: **drafted** tokens proposed, **accepted** drafted tokens kept,
+**emitted** tokens appended by a step (accepted + the recovered or bonus token, fewer when
+the request stopped inside the step), **accepted length** = emitted per step.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from adaptspec.engine.params import MAX_K
+
+
+@dataclass(slots=True)
+class RequestStepStats:
+    """What one request did in one speculative step."""
+
+    request_id: str
+    request_class: str
+    drafter: str
+    k: int  # candidates asked for (the arm's k)
+    drafted: int  # candidates actually proposed (n-gram may find fewer)
+    accepted: int
+    emitted: int
+
+
+@dataclass(slots=True)
+class StepStats:
+    """One engine step. Times are wall seconds measured around each phase."""
+
+    step: int
+    batch_size: int  # requests in the verification pass
+    num_prefill: int  # requests prefilled this step
+    prefill_tokens: int
+    verify_tokens: int  # tokens in the one batched target pass (sum of k_i + 1)
+    context_tokens: int  # tokens already cached across the batch before the pass
+    num_waiting: int
+    prefill_s: float
+    draft_s: float
+    verify_s: float
+    other_s: float
+    wall_s: float
+    requests: list[RequestStepStats] = field(default_factory=list)
+
+    @property
+    def emitted(self) -> int:
+        return sum(r.emitted for r in self.requests)
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Cumulative speculation counters, for one request or aggregated over many."""
+
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    steps: int = 0  # speculative (verification) steps taken
+    accepted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_K)
+    drafted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_K)
+    arms: Counter = field(default_factory=Counter)  # "drafter:k" -> steps
+    wall_s: float = 0.0
+
+    def observe_step(self, r: RequestStepStats) -> None:
+        self.drafted += r.drafted
+        self.accepted += r.accepted
+        self.emitted += r.emitted
+        self.steps += 1
+        for j in range(r.drafted):
+            self.drafted_per_position[j] += 1
+        for j in range(r.accepted):
+            self.accepted_per_position[j] += 1
+        self.arms[f"{r.drafter}:{r.k}"] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per verification step (accepted + 1 on average)."""
+        return self.emitted / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict:
+        last = max((j + 1 for j, d in enumerate(self.drafted_per_position) if d), default=0)
+        return {
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "emitted": self.emitted,
+            "steps": self.steps,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "accepted_per_position": self.accepted_per_position[:last],
+            "drafted_per_position": self.drafted_per_position[:last],
+            "arms": dict(self.arms),
+            "wall_s": round(self.wall_s, 4),
+        }

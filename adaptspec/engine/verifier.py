@@ -1,0 +1,114 @@
+"""Exact speculative verification over a flattened ragged batch (pure torch).
+
+Each request ``b`` drafted ``num_draft_tokens[b]`` tokens (0 allowed); the target scored
+``num_draft_tokens[b] + 1`` positions for it (its last emitted token, then each drafted
+token). Rows are flattened request after request:
+
+    target rows of b: cu_num_tokens[b] .. cu_num_tokens[b] + num_draft_tokens[b]
+    draft rows of b:  cu_num_draft_tokens[b] .. + num_draft_tokens[b] - 1
+
+The result per request is its **accepted** drafted tokens followed by one target token:
+the **recovered** token at the first rejection, or the **bonus** token when all were
+accepted. ``accepted length`` = accepted + 1 tokens emitted by the step.
+
+Greedy (Leviathan et al. 2023, temperature 0): accept while the drafted token equals the
+target's argmax; the target's argmax at the first mismatch (or after the last draft) is
+emitted. Stochastic (Leviathan et al. 2023; Chen et al. 2023): accept drafted token x
+with probability min(1, p(x) / q(x)); at the first rejection sample from
+norm(max(0, p - q)); when all are accepted, sample the bonus token from the target's next
+distribution. The output distribution is exactly the target's.
+
+These two functions are the reference a fused (Triton) kernel is tested against; the
+uniform draws are inputs so both can be compared draw for draw.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from adaptspec.engine.sampling import sample_from_probs
+
+
+@dataclass(slots=True)
+class VerifyResult:
+    output_token_ids: torch.Tensor  # [num_reqs, max_k + 1] accepted + recovered/bonus, -1 padded
+    num_accepted: torch.Tensor  # [num_reqs] accepted drafted tokens (accepted length - 1)
+
+
+def _ragged_index(num_draft_tokens: torch.Tensor):
+    """Padded [num_reqs, max_k + 1] row indices into the flattened target/draft rows."""
+    dev = num_draft_tokens.device
+    n = num_draft_tokens.long()
+    max_k = int(n.max()) if n.numel() else 0
+    cu_num_draft_tokens = torch.cumsum(n, 0) - n  # [num_reqs] start of each request's draft rows
+    cu_num_tokens = cu_num_draft_tokens + torch.arange(n.numel(), device=dev)  # start of target rows
+    j = torch.arange(max_k + 1, device=dev)[None, :]  # [1, max_k + 1]
+    target_rows = cu_num_tokens[:, None] + j  # [num_reqs, max_k + 1]
+    draft_rows = cu_num_draft_tokens[:, None] + j[:, :max_k]  # [num_reqs, max_k]
+    draft_valid = j[:, :max_k] < n[:, None]  # [num_reqs, max_k]
+    return max_k, target_rows, draft_rows, draft_valid, j
+
+
+def verify_greedy(
+    target_logits: torch.Tensor,  # [num_tokens, vocab_size], num_tokens = sum(num_draft_tokens + 1)
+    draft_token_ids: torch.Tensor,  # [num_draft_tokens_total] int64
+    num_draft_tokens: torch.Tensor,  # [num_reqs] int64
+) -> VerifyResult:
+    max_k, target_rows, draft_rows, draft_valid, j = _ragged_index(num_draft_tokens)
+    target_argmax = target_logits.argmax(-1)  # [num_tokens]
+    target_tok = target_argmax[target_rows.clamp(max=target_argmax.numel() - 1)]  # [num_reqs, max_k + 1]
+    if max_k == 0:
+        return VerifyResult(target_tok, torch.zeros_like(num_draft_tokens))
+    drafted = draft_token_ids[draft_rows.clamp(max=max(draft_token_ids.numel() - 1, 0))]  # [num_reqs, max_k]
+    match = (drafted == target_tok[:, :max_k]) & draft_valid
+    num_accepted = match.long().cumprod(1).sum(1)  # [num_reqs]
+    # positions < num_accepted hold the drafted (== target) tokens; num_accepted holds the
+    # target's own token there: recovered on a mismatch, bonus after the last draft
+    out = torch.where(j <= num_accepted[:, None], target_tok, torch.full_like(target_tok, -1))
+    return VerifyResult(out, num_accepted)
+
+
+def verify_stochastic(
+    target_probs: torch.Tensor,  # [num_tokens, vocab_size] processed target distributions p
+    draft_token_ids: torch.Tensor,  # [num_draft_tokens_total] int64
+    draft_probs: torch.Tensor | None,  # [num_draft_tokens_total, vocab_size] q; None: one-hot drafts
+    num_draft_tokens: torch.Tensor,  # [num_reqs] int64
+    uniform_accept: torch.Tensor,  # [num_draft_tokens_total] in [0, 1)
+    uniform_sample: torch.Tensor,  # [num_reqs] in [0, 1): the recovered/bonus draw
+) -> VerifyResult:
+    max_k, target_rows, draft_rows, draft_valid, j = _ragged_index(num_draft_tokens)
+    num_reqs = num_draft_tokens.numel()
+    if max_k > 0:
+        drow = draft_rows.clamp(max=max(draft_token_ids.numel() - 1, 0))
+        drafted = draft_token_ids[drow]  # [num_reqs, max_k]
+        p_tok = target_probs[target_rows[:, :max_k].clamp(max=target_probs.shape[0] - 1), drafted]
+        q_tok = torch.ones_like(p_tok) if draft_probs is None else draft_probs[drow, drafted]
+        accept = (uniform_accept[drow] * q_tok < p_tok) & draft_valid  # u < p/q, i.e. prob min(1, p/q)
+        num_accepted = accept.long().cumprod(1).sum(1)  # [num_reqs]
+    else:
+        drafted = torch.empty(num_reqs, 0, dtype=torch.long, device=num_draft_tokens.device)
+        num_accepted = torch.zeros_like(num_draft_tokens)
+    # the distribution the extra token comes from: residual at the first rejection, else p
+    final_rows = target_rows.gather(1, num_accepted[:, None]).squeeze(1)  # [num_reqs]
+    p_final = target_probs[final_rows]  # [num_reqs, vocab_size]
+    rejected = num_accepted < num_draft_tokens  # [num_reqs]
+    if bool(rejected.any()):
+        rej_draft_row = (draft_rows.gather(1, num_accepted.clamp(max=max(max_k - 1, 0))[:, None]).squeeze(1)
+                         if max_k > 0 else num_accepted)
+        rej_draft_row = rej_draft_row.clamp(max=max(draft_token_ids.numel() - 1, 0))
+        if draft_probs is None:
+            q_final = torch.zeros_like(p_final).scatter_(1, draft_token_ids[rej_draft_row][:, None], 1.0)
+        else:
+            q_final = draft_probs[rej_draft_row]
+        residual = (p_final - q_final).clamp(min=0.0)
+        # p == q leaves no residual mass; a rejection is then impossible, keep p for safety
+        has_mass = residual.sum(-1, keepdim=True) > 0
+        residual = torch.where(has_mass, residual, p_final)
+        p_final = torch.where(rejected[:, None], residual, p_final)
+    extra = sample_from_probs(p_final, uniform_sample)  # [num_reqs]: recovered or bonus
+    out = torch.full((num_reqs, max_k + 1), -1, dtype=torch.long, device=num_draft_tokens.device)
+    if max_k > 0:
+        out[:, :max_k] = torch.where(j[:, :max_k] < num_accepted[:, None], drafted, out[:, :max_k])
+    out.scatter_(1, num_accepted[:, None], extra[:, None])
+    return VerifyResult(out, num_accepted)
