@@ -1,0 +1,1 @@
+"""Triton kernels for AdaptSpec (imported as ``adaptspec_kernels``)."""
