@@ -112,3 +112,95 @@ def verify_stochastic(
         out[:, :max_k] = torch.where(j[:, :max_k] < num_accepted[:, None], drafted, out[:, :max_k])
     out.scatter_(1, num_accepted[:, None], extra[:, None])
     return VerifyResult(out, num_accepted)
+
+
+# --- backend dispatch (issue 6): Triton kernels (adaptspec_kernels) on CUDA, torch otherwise.
+# Same signatures and results as the functions above; triton is imported only when selected.
+
+def _triton_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def select_backend(device: torch.device | str | None = None) -> str:
+    """``"triton"`` or ``"torch"``, from the env var ADAPTSPEC_VERIFIER (auto | torch | triton).
+
+    auto (the default): triton when ``device`` is CUDA (no device: when CUDA is available)
+    and triton is installed. triton forces the kernels (on CPU tensors they then need
+    TRITON_INTERPRET=1, as the tests set); torch forces this module's reference.
+    """
+    import os
+
+    choice = os.environ.get("ADAPTSPEC_VERIFIER", "auto").strip().lower() or "auto"
+    if choice not in ("auto", "torch", "triton"):
+        raise ValueError(f"ADAPTSPEC_VERIFIER={choice!r}: expected one of auto, torch, triton")
+    if choice == "torch":
+        return "torch"
+    if choice == "triton":
+        if not _triton_importable():
+            raise RuntimeError("ADAPTSPEC_VERIFIER=triton but triton is not installed "
+                               "(pip install -e '.[triton]')")
+        return "triton"
+    on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+    return "triton" if on_cuda and _triton_importable() else "torch"
+
+
+def verify_greedy_dispatch(
+    target_logits: torch.Tensor,  # [num_tokens, vocab_size]
+    draft_token_ids: torch.Tensor,  # [num_draft_tokens_total] int64
+    num_draft_tokens: torch.Tensor,  # [num_reqs] int64
+) -> VerifyResult:
+    if select_backend(target_logits.device) == "torch":
+        return verify_greedy(target_logits, draft_token_ids, num_draft_tokens)
+    from adaptspec_kernels.verify import greedy_verify
+
+    return VerifyResult(*greedy_verify(target_logits, draft_token_ids, num_draft_tokens))
+
+
+def verify_stochastic_dispatch(
+    target_probs: torch.Tensor,  # [num_tokens, vocab_size] processed target distributions p
+    draft_token_ids: torch.Tensor,  # [num_draft_tokens_total] int64
+    draft_probs: torch.Tensor | None,  # [num_draft_tokens_total, vocab_size] q; None: one-hot drafts
+    num_draft_tokens: torch.Tensor,  # [num_reqs] int64
+    uniform_accept: torch.Tensor,  # [num_draft_tokens_total] in [0, 1)
+    uniform_sample: torch.Tensor,  # [num_reqs] in [0, 1)
+) -> VerifyResult:
+    args = (target_probs, draft_token_ids, draft_probs, num_draft_tokens, uniform_accept, uniform_sample)
+    if select_backend(target_probs.device) == "torch":
+        return verify_stochastic(*args)
+    from adaptspec_kernels.verify import stochastic_verify
+
+    return VerifyResult(*stochastic_verify(*args))
+
+
+def verify_stochastic_from_logits_dispatch(
+    target_logits: torch.Tensor,  # [num_tokens, vocab_size] raw target logits
+    temperature: torch.Tensor,  # [num_reqs] float, > 0
+    top_k: torch.Tensor | None,  # [num_reqs] int, 0 = no cut; None: no request cuts
+    top_p: torch.Tensor | None,  # [num_reqs] float in (0, 1]; None: no request cuts
+    draft_token_ids: torch.Tensor,  # [num_draft_tokens_total] int64
+    draft_probs: torch.Tensor | None,  # [num_draft_tokens_total, vocab_size] q; None: one-hot drafts
+    num_draft_tokens: torch.Tensor,  # [num_reqs] int64
+    uniform_accept: torch.Tensor,  # [num_draft_tokens_total] in [0, 1)
+    uniform_sample: torch.Tensor,  # [num_reqs] in [0, 1)
+) -> VerifyResult:
+    """Per-request temperature/top-k/top-p applied to the target logits, then verified; the
+    Triton path fuses the temperature softmax (top-k/top-p still go through torch)."""
+    if select_backend(target_logits.device) == "triton":
+        from adaptspec_kernels.verify import stochastic_verify_from_logits
+
+        return VerifyResult(*stochastic_verify_from_logits(
+            target_logits, temperature, draft_token_ids, draft_probs, num_draft_tokens,
+            uniform_accept, uniform_sample, top_k=top_k, top_p=top_p))
+    from adaptspec.engine.sampling import logits_to_probs
+
+    dev, num_reqs = target_logits.device, num_draft_tokens.numel()
+    rows = num_draft_tokens.to(dev).long() + 1  # target rows per request
+
+    def per_row(x: torch.Tensor | None, fill) -> torch.Tensor:  # [num_reqs] -> [num_tokens]
+        x = torch.full((num_reqs,), fill, device=dev) if x is None else x.to(dev)
+        return torch.repeat_interleave(x, rows, output_size=target_logits.shape[0])
+
+    probs = logits_to_probs(target_logits, per_row(temperature, 1.0), per_row(top_k, 0), per_row(top_p, 1.0))
+    return verify_stochastic(probs, draft_token_ids, draft_probs, num_draft_tokens, uniform_accept, uniform_sample)
