@@ -57,19 +57,17 @@ class DiscountedBeta:
         self.b = np.full((self.rows, self.max_k), self.prior_b)
 
     def update(self, accepted_hist: np.ndarray, row: int = 0) -> None:
-        succ, fail = successes_failures(accepted_hist[: self.max_k + 1])
+        h = accepted_hist[: self.max_k + 1]
+        n = h.size - 1
         g = self.discount
         a, b = self.a[row], self.b[row]
         # decay the evidence (not the prior) so an old regime is forgotten
-        a -= self.prior_a
         a *= g
-        a += self.prior_a
-        b -= self.prior_b
+        a += (1 - g) * self.prior_a
         b *= g
-        b += self.prior_b
-        n = succ.size
-        a[:n] += succ
-        b[:n] += fail
+        b += (1 - g) * self.prior_b
+        a[:n] += np.cumsum(h[::-1])[-2::-1]  # successes at position i: accepted >= i
+        b[:n] += h[:n]  # failures at position i: accepted == i - 1
         self.updates += 1
 
     def mean(self) -> np.ndarray:

@@ -95,12 +95,11 @@ class _DiscountedRidge:
     def update(self, x: np.ndarray, y: float) -> None:
         g = self.discount
         self.A *= g
-        self.b *= g
         # keep (1 - g) of the prior each step so discounting never forgets it
-        self.A[np.diag_indices(self.dim)] += (1 - g) * self.prior_weight
-        self.b += (1 - g) * self.prior_weight * self.theta0
-        self.A += np.outer(x, x)
-        self.b += y * x
+        self.A.flat[:: self.dim + 1] += (1 - g) * self.prior_weight
+        self.A += x[:, None] * x
+        self.b *= g
+        self.b += (1 - g) * self.prior_weight * self.theta0 + y * x
         self._dirty = True
 
     def coef(self) -> np.ndarray:
@@ -108,6 +107,10 @@ class _DiscountedRidge:
             self.theta = np.linalg.solve(self.A, self.b)
             self._dirty = False
         return self.theta
+
+
+_XS = np.array((0.0,) + VERIFY_KNOTS + (1e6,))
+_BASIS = verify_features(_XS, 0.0)[:, :-1]  # the verify curve at its knots, per coefficient
 
 
 @dataclass(slots=True)
@@ -127,7 +130,7 @@ class OnlineStepCost:
     _other_w: float = field(init=False, default=0.0)
     steps: int = field(init=False, default=0)
     _stale: bool = field(init=False, default=True)
-    _xs: np.ndarray = field(init=False, default=None)
+    _xs: np.ndarray = field(init=False, default_factory=lambda: _XS)
     _ys: np.ndarray = field(init=False, default=None)
     _ctx_coef: float = field(init=False, default=0.0)
     _dl: list = field(init=False, default=None)
@@ -155,12 +158,12 @@ class OnlineStepCost:
 
     def observe(self, step: StepOutcome, draft_batch: np.ndarray, ngram_requests: int, mean_context: float) -> None:
         """draft_batch: [K] requests drafting with the draft model at each position."""
-        xv = verify_features(np.array([float(step.verify_tokens)]), float(step.context_tokens))[0]
-        self.verify.update(xv, step.verify_s)
-        forwards = np.array([float(np.count_nonzero(draft_batch))])
-        xd = draft_features(forwards, np.array([float(draft_batch.sum())]), np.array([float(ngram_requests)]),
-                            mean_context)[0]
-        self.draft.update(xd, step.draft_s)
+        n = float(step.verify_tokens)
+        xv = [1.0, n * _TOK] + [max(n - kt, 0.0) * _TOK for kt in VERIFY_KNOTS] + [step.context_tokens * _CTX]
+        self.verify.update(np.array(xv), step.verify_s)
+        tokens = float(draft_batch.sum())
+        xd = [float(np.count_nonzero(draft_batch)), tokens * _TOK, tokens * mean_context * _CTX, ngram_requests * _TOK]
+        self.draft.update(np.array(xd), step.draft_s)
         g = self.discount
         self._other_w = g * self._other_w + 1.0
         self.other_s += (step.other_s - self.other_s) / self._other_w
@@ -170,9 +173,7 @@ class OnlineStepCost:
     def _refresh(self) -> None:
         """Turn the fitted coefficients into an interpolation table (cheap to evaluate)."""
         v = self.verify.coef()
-        xs = np.array((0.0,) + VERIFY_KNOTS + (1e6,))
-        self._xs = xs
-        self._ys = verify_features(xs, 0.0)[:, :-1] @ v[:-1]
+        self._ys = _BASIS @ v[:-1]
         self._ctx_coef = v[-1] * _CTX
         self._dl = [float(x) for x in self.draft.coef()]
         self._stale = False

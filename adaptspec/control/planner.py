@@ -91,7 +91,7 @@ class BatchPicture:
             seen[g.request_class] = (tot + n, emi + g.emitted, arm, best)
         for c, slot in self.classes.items():
             if c not in seen:
-                slot.share *= 1 - s
+                slot.share = slot.share * (1 - s) if slot.share > 1e-4 else 0.0
         for c, (tot, emi, arm, _) in seen.items():
             slot = self.classes.setdefault(c, ClassSlot())
             slot.share += s * (tot / max(n_dec, 1) - slot.share)
@@ -137,7 +137,7 @@ class Planner:
         draft = np.zeros(K)
         budget = np.inf
         for c, s in slots.items():
-            if c == request_class or s.share <= 0:
+            if c == request_class or s.share <= 0 or other_total <= 0:
                 continue
             L_c = others_length.get(c, 1.0)
             tgt = self.targets.get(c)

@@ -52,7 +52,7 @@ class ModelBasedThompson(Policy):
         self._moments: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._mean_curves: dict[str, np.ndarray] = {}  # posterior-mean lengths, per observed step
         self._others: dict[str, float] = {}
-        self._others_version = -1
+        self._others_version = -(10**9)
         self._z = np.zeros(0)
         self._zpos = 0
 
@@ -87,7 +87,7 @@ class ModelBasedThompson(Policy):
 
     def _choose(self, request_class: str, load: Load) -> Arm:
         L = self._lengths(request_class, sample=True)
-        if self._others_version != self.picture.version:
+        if self.picture.version - self._others_version >= 8:  # refreshed every 8 observed steps
             self._others = {c: self._mean_length(c, s.arm) for c, s in self.picture.classes.items() if s.share > 0}
             self._others_version = self.picture.version
         i = self.planner.plan(request_class, load, self.picture, L, self._others, self.cost)

@@ -1,8 +1,93 @@
 """CLI commands of the simulator area (`simulate`, `calibrate`)."""
 from __future__ import annotations
 
+from pathlib import Path
+from typing import List, Optional
+
 import typer
 
 
 def register(app: typer.Typer) -> None:
     """Add this area's commands to the main app."""
+
+    @app.command()
+    def simulate(
+        scenario: Path = typer.Argument(..., help="scenario YAML"),
+        policy: Optional[List[str]] = typer.Option(None, "--policy", "-p", help="run only these policies (labels)"),
+        seed: Optional[int] = typer.Option(None, "--seed", help="override the scenario's seed"),
+        json_path: Optional[Path] = typer.Option(None, "--json", help="write all metrics as JSON"),
+        plot_dir: Optional[Path] = typer.Option(None, "--plot", help="write PNG plots into this folder"),
+        per_class: bool = typer.Option(True, help="also print the per-class table"),
+    ) -> None:
+        """Run a scenario against its policies; print a table per policy."""
+        import time
+
+        from rich.console import Console
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.table import Table
+
+        from adaptspec.sim.report import class_rows, plot, table_rows, write_json
+        from adaptspec.sim.runner import run_scenario
+        from adaptspec.sim.scenario import load_scenario
+
+        console = Console()
+        try:
+            sc, base = load_scenario(scenario)
+        except (ValueError, OSError) as e:
+            console.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(2)
+        t0 = time.perf_counter()
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"),
+                      TimeElapsedColumn(), console=console, transient=True) as bar:
+            task = bar.add_task("simulating", total=1.0)
+
+            def progress(label: str, f: float) -> None:
+                bar.update(task, description=f"{sc.name}: {label}", completed=f)
+
+            try:
+                result = run_scenario(sc, base, only=policy or None, seed=seed, progress=progress)
+            except ValueError as e:
+                console.print(f"[red]error:[/red] {e}")
+                raise typer.Exit(2)
+        wall = time.perf_counter() - t0
+        for head, rows, title in ((*table_rows(result.runs), sc.name), (*class_rows(result.runs), "per class")):
+            if title == "per class" and not per_class:
+                continue
+            t = Table(title=title)
+            for h in head:
+                t.add_column(h)
+            for r in rows:
+                t.add_row(*r)
+            console.print(t)
+        sim_s = sum(r.simulated_s for r in result.runs)
+        run_wall = sum(r.wall_s for r in result.runs)
+        console.print(f"{len(result.runs)} runs, {sim_s:.0f} simulated s in {run_wall:.1f} s of simulation "
+                      f"({wall:.1f} s wall in all); decisions: "
+                      + ", ".join(f"{r.policy} {r.decision_us_mean:.1f} us" for r in result.runs[: len(set(x.policy for x in result.runs))]))
+        for label, note in result.policy_notes.items():
+            console.print(f"  targets - {label}: {note}")
+        if json_path:
+            write_json(result, json_path)
+            console.print(f"wrote {json_path}")
+        if plot_dir:
+            for p in plot(result, plot_dir):
+                console.print(f"wrote {p}")
+
+    @app.command()
+    def calibrate(
+        out: Path = typer.Option(Path("cpu-profile.json"), "--out", help="profile JSON to write"),
+        target: str = typer.Option("smollm2-135m", help="target model spec"),
+        draft: Optional[str] = typer.Option(None, help="draft model spec"),
+        dtype: str = typer.Option("bf16", help="dtype"),
+        device: str = typer.Option("cpu", help="device"),
+        repeats: int = typer.Option(3, help="timed repeats per point"),
+    ) -> None:
+        """Measure this machine's step costs with the live engine; write a profile JSON."""
+        from adaptspec.sim.calibrate import calibrate as run
+
+        try:
+            path = run(out, target=target, draft=draft, dtype=dtype, device=device, repeats=repeats)
+        except RuntimeError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(2)
+        typer.echo(f"wrote {path}")

@@ -1,0 +1,203 @@
+"""Turn a validated scenario into runs: truths, cost model, workload, policies, metrics."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from adaptspec.control import (
+    Arm,
+    BatchSchedulePolicy,
+    ClassTarget,
+    DiscountedUCB,
+    EmaPolicy,
+    HeuristicPolicy,
+    ModelBasedThompson,
+    OraclePolicy,
+    Policy,
+    PolicyConfig,
+    ScheduleRange,
+    StaticPolicy,
+    ThompsonConfig,
+    UCBConfig,
+)
+from adaptspec.sim.acceptance import AcceptanceModel, BernoulliAcceptance, PositionAcceptance, ReplayAcceptance
+from adaptspec.sim.costs import ProfileCostModel
+from adaptspec.sim.gpu import builtin_profile
+from adaptspec.sim.metrics import SLO, RunMetrics, compute_metrics
+from adaptspec.sim.replica import ClassTruth
+from adaptspec.sim.scenario import (
+    AcceptanceSpec,
+    ConstantRate,
+    EmaSpec,
+    HeuristicSpec,
+    OracleSpec,
+    PolicySpec,
+    Scenario,
+    ScheduleSpec,
+    StaticSpec,
+    ThompsonSpec,
+    UCBSpec,
+    WorkloadSpec,
+    policy_label,
+)
+from adaptspec.sim.simulator import RunSetup, simulate
+from adaptspec.sim.workload import Requests, read_trace, synthesize
+
+
+def acceptance_model(spec: AcceptanceSpec, base: Path, where: str) -> AcceptanceModel:
+    if spec.bernoulli is not None:
+        return BernoulliAcceptance(spec.bernoulli)
+    if spec.positions is not None:
+        return PositionAcceptance(np.array(spec.positions))
+    r = spec.replay
+    if r.file is not None:
+        path = Path(r.file) if Path(r.file).is_absolute() else base / r.file
+        if not path.exists():
+            raise ValueError(f"{where}.replay.file: {path} does not exist")
+        lengths = [int(x) for x in path.read_text().split()]
+    else:
+        lengths = r.accepted_lengths
+    if not lengths or min(lengths) < 1 or max(lengths) > r.recorded_k + 1:
+        raise ValueError(f"{where}.replay: accepted lengths must lie in 1..recorded_k + 1")
+    return ReplayAcceptance(np.array(lengths) - 1, r.recorded_k)
+
+
+def class_truths(sc: Scenario, base: Path) -> list[ClassTruth]:
+    out = []
+    for i, c in enumerate(sc.classes):
+        acc = {d: acceptance_model(a, base, f"classes.{i}.acceptance.{d}") for d, a in c.acceptance.items()}
+        shifted = None
+        if c.shift is not None:
+            shifted = dict(acc)
+            shifted.update({d: acceptance_model(a, base, f"classes.{i}.shift.acceptance.{d}")
+                            for d, a in c.shift.acceptance.items()})
+        out.append(ClassTruth(c.name, acc, c.shift.at_s if c.shift else None, shifted))
+    return out
+
+
+def cost_model(sc: Scenario, base: Path) -> ProfileCostModel:
+    hw = sc.hardware
+    if hw.profile is not None:
+        model = builtin_profile(hw.profile)
+    else:
+        path = Path(hw.profile_file) if Path(hw.profile_file).is_absolute() else base / hw.profile_file
+        if not path.exists():
+            raise ValueError(f"hardware.profile_file: {path} does not exist")
+        model = ProfileCostModel.load(path)
+    if hw.max_num_seqs is not None:
+        model = ProfileCostModel(model.profile.model_copy(update={"max_num_seqs": hw.max_num_seqs}))
+    return model
+
+
+@dataclass(slots=True)
+class PolicyRun:
+    policy: Policy
+    on_shift: Callable[[], None] | None = None
+
+
+def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost: ProfileCostModel,
+                 clock: list[float], seed: int) -> PolicyRun:
+    """``clock`` holds the current simulated time (the oracle reads shifted truths by it)."""
+    targets = tuple(ClassTarget(c.name, c.target.tpot_s, c.target.ttft_s) for c in sc.classes if c.target)
+    cfg = PolicyConfig(tuple(sc.drafters), sc.max_k, targets, seed)
+    if isinstance(spec, ThompsonSpec):
+        p = ModelBasedThompson(cfg, ThompsonConfig(spec.discount, spec.cost_discount, spec.margin),
+                               prior_cost=cost if spec.seed_cost_from_profile else None)
+    elif isinstance(spec, UCBSpec):
+        p = DiscountedUCB(cfg, UCBConfig(spec.mode, spec.discount, spec.window, spec.exploration))
+    elif isinstance(spec, StaticSpec):
+        p = StaticPolicy(Arm(spec.drafter, spec.k), cfg)
+    elif isinstance(spec, ScheduleSpec):
+        p = BatchSchedulePolicy(spec.drafter, [ScheduleRange(*r) for r in spec.schedule], cfg)
+    elif isinstance(spec, EmaSpec):
+        p = EmaPolicy(spec.drafter, cfg, start_k=spec.start_k, alpha=spec.alpha, up=spec.up, down=spec.down)
+    elif isinstance(spec, HeuristicSpec):
+        p = HeuristicPolicy(spec.drafter, cfg, start_k=spec.start_k)
+    elif isinstance(spec, OracleSpec):
+        by_name = {t.name: t for t in truths}
+        K = sc.max_k
+
+        def truth(request_class: str, drafter: str) -> np.ndarray:
+            t = by_name.get(request_class)
+            if t is None:
+                return np.zeros(K)
+            return t.at(clock[0])[drafter].position_probs(K)
+
+        p = OraclePolicy(truth, cost, cfg, margin=spec.margin)
+        return PolicyRun(p, p.invalidate)
+    else:  # pragma: no cover - the union is closed
+        raise ValueError(f"policies: unknown kind {spec!r}")
+    return PolicyRun(p)
+
+
+@dataclass(slots=True)
+class ScenarioResult:
+    scenario: str
+    runs: list[RunMetrics] = field(default_factory=list)
+    policy_notes: dict[str, str] = field(default_factory=dict)
+
+
+def _workload(sc: Scenario, base: Path, rate: float | None, rng: np.random.Generator) -> Requests:
+    wl = sc.workload
+    if wl.trace is not None:
+        return read_trace(wl.trace, base, sc.classes, sc.duration_s, rng)
+    if rate is not None:
+        wl = WorkloadSpec(arrival=wl.arrival, rate=ConstantRate(kind="constant", rps=rate))
+    return synthesize(wl, sc.classes, sc.duration_s, rng)
+
+
+def run_scenario(sc: Scenario, base: Path, *, only: list[str] | None = None, seed: int | None = None,
+                 progress: Callable[[str, float], None] | None = None) -> ScenarioResult:
+    seed = sc.seed if seed is None else seed
+    truths = class_truths(sc, base)
+    cost = cost_model(sc, base)
+    specs = [p for p in sc.policies if only is None or policy_label(p) in only]
+    if only:
+        unknown = set(only) - {policy_label(p) for p in sc.policies}
+        if unknown:
+            raise ValueError(f"--policy: {sorted(unknown)} not in the scenario's policies "
+                             f"{[policy_label(p) for p in sc.policies]}")
+    rates = sc.sweep.rps if sc.sweep is not None else [None]
+    result = ScenarioResult(sc.name)
+    slos = []
+    for c in sc.classes:
+        s = c.slo or sc.slo
+        slos.append(SLO(s.ttft_s, s.tpot_s, s.e2e_s))
+    for rate in rates:
+        # common random numbers: every policy sees the same requests and acceptance draws
+        requests = _workload(sc, base, rate, np.random.default_rng([seed, 1]))
+        for spec in specs:
+            label = policy_label(spec)
+            clock = [0.0]
+            run = build_policy(spec, sc, truths, cost, clock, seed)
+            result.policy_notes[label] = run.policy.describe_targets()
+            setup = RunSetup(cost, truths, requests, sc.hardware.replicas, sc.hardware.router, sc.max_k,
+                             sc.duration_s, sc.drain_s, sc.timeline_bin_s, seed)
+
+            def on_progress(f: float, label=label, clock=clock) -> None:
+                clock[0] = f * (sc.duration_s + sc.drain_s)
+                if progress is not None:
+                    progress(f"{label}" + (f" @ {rate:g} rps" if rate else ""), f)
+
+            out = simulate(setup, run.policy, on_shift=_shift_hook(run, clock, truths), progress=on_progress)
+            st = run.policy.stats
+            result.runs.append(compute_metrics(
+                label, rate, requests, out.recorder, [c.name for c in sc.classes], slos, sc.warmup_s,
+                sc.duration_s, out.end_s, out.wall_s, out.steps, st.mean_decision_us, st.decision_s_max * 1e6))
+    return result
+
+
+def _shift_hook(run: PolicyRun, clock: list[float], truths: list[ClassTruth]) -> Callable[[], None]:
+    shifts = sorted(t.shift_at_s for t in truths if t.shift_at_s is not None)
+
+    def hook() -> None:
+        # the simulator calls this exactly when simulated time passes a shift
+        if shifts:
+            clock[0] = shifts.pop(0)
+        if run.on_shift is not None:
+            run.on_shift()
+
+    return hook

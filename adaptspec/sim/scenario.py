@@ -1,0 +1,308 @@
+"""Scenario files (YAML), validated with pydantic; errors name the bad key."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- lengths -------------------------------------------------------------------------
+class FixedLength(_Strict):
+    dist: Literal["fixed"]
+    value: int = Field(gt=0, description="tokens")
+
+
+class UniformLength(_Strict):
+    dist: Literal["uniform"]
+    low: int = Field(gt=0, description="smallest, inclusive")
+    high: int = Field(gt=0, description="largest, inclusive")
+
+    @model_validator(mode="after")
+    def _order(self) -> "UniformLength":
+        if self.high < self.low:
+            raise ValueError("high: must be >= low")
+        return self
+
+
+class LognormalLength(_Strict):
+    dist: Literal["lognormal"]
+    median: float = Field(gt=0, description="median tokens")
+    sigma: float = Field(gt=0, description="standard deviation of log(tokens)")
+    min: int = Field(1, gt=0, description="clip below")
+    max: int = Field(32768, gt=0, description="clip above")
+
+
+class ZipfLength(_Strict):
+    dist: Literal["zipf"]
+    a: float = Field(gt=1, description="Zipf exponent (> 1)")
+    scale: int = Field(1, gt=0, description="tokens per Zipf unit")
+    min: int = Field(1, gt=0, description="clip below")
+    max: int = Field(32768, gt=0, description="clip above")
+
+
+LengthSpec = Annotated[Union[FixedLength, UniformLength, LognormalLength, ZipfLength], Field(discriminator="dist")]
+
+
+# ---- acceptance ----------------------------------------------------------------------
+class ReplaySpec(_Strict):
+    accepted_lengths: list[int] | None = Field(None, description="recorded accepted lengths (accepted + 1)")
+    file: str | None = Field(None, description="file with one accepted length per line (relative to the scenario)")
+    recorded_k: int = Field(ge=1, le=16, description="k the lengths were recorded at")
+
+    @model_validator(mode="after")
+    def _one(self) -> "ReplaySpec":
+        if (self.accepted_lengths is None) == (self.file is None):
+            raise ValueError("replay: give exactly one of accepted_lengths or file")
+        return self
+
+
+class AcceptanceSpec(_Strict):
+    bernoulli: float | None = Field(None, ge=0, lt=1, description="per-token acceptance rate")
+    positions: list[Annotated[float, Field(ge=0, le=1)]] | None = Field(
+        None, description="conditional acceptance per position (the last repeats)")
+    replay: ReplaySpec | None = Field(None, description="accepted lengths recorded from the live engine")
+
+    @model_validator(mode="after")
+    def _one(self) -> "AcceptanceSpec":
+        given = [n for n in ("bernoulli", "positions", "replay") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"acceptance: give exactly one of bernoulli, positions, replay (got {given or 'none'})")
+        return self
+
+
+class SLOSpec(_Strict):
+    ttft_s: float | None = Field(None, gt=0, description="time to first token")
+    tpot_s: float | None = Field(None, gt=0, description="time per output token after the first")
+    e2e_s: float | None = Field(None, gt=0, description="end-to-end latency")
+
+
+class TargetSpec(_Strict):
+    tpot_s: float | None = Field(None, gt=0, description="the controller's TPOT target for this class")
+    ttft_s: float | None = Field(None, gt=0, description="the controller's TTFT target for this class")
+
+
+class ShiftSpec(_Strict):
+    at_s: float = Field(ge=0, description="simulated time of the change")
+    acceptance: dict[Literal["ngram", "draft"], AcceptanceSpec] = Field(description="acceptance per drafter from then on")
+
+
+class ClassSpec(_Strict):
+    name: str = Field(min_length=1, description="request class label")
+    weight: float = Field(1.0, ge=0, description="share of arrivals (normalised over classes)")
+    temperature: float = Field(0.0, ge=0, description="sampling temperature (the acceptance given is at this temperature)")
+    prompt_tokens: LengthSpec | None = Field(None, description="prompt length distribution (not with a trace)")
+    output_tokens: LengthSpec | None = Field(None, description="output length distribution (not with a trace)")
+    acceptance: dict[Literal["ngram", "draft"], AcceptanceSpec] = Field(description="acceptance per drafter")
+    slo: SLOSpec | None = Field(None, description="SLOs for goodput (default: the scenario's slo)")
+    target: TargetSpec | None = Field(None, description="latency target the controller is told (none: throughput)")
+    shift: ShiftSpec | None = Field(None, description="acceptance change mid-run")
+
+
+# ---- workload ------------------------------------------------------------------------
+class ConstantRate(_Strict):
+    kind: Literal["constant"]
+    rps: float = Field(gt=0, description="requests per second")
+
+
+class StepRate(_Strict):
+    kind: Literal["step"]
+    steps: list[tuple[float, float]] = Field(min_length=1, description="[[from_s, rps], ...]")
+
+
+class RampRate(_Strict):
+    kind: Literal["ramp"]
+    start_rps: float = Field(gt=0, description="rate at t = 0")
+    end_rps: float = Field(gt=0, description="rate at the end of the run")
+
+
+class DiurnalRate(_Strict):
+    kind: Literal["diurnal"]
+    mean_rps: float = Field(gt=0, description="mean rate")
+    amplitude: float = Field(0.5, ge=0, lt=1, description="relative amplitude of the sine")
+    period_s: float = Field(gt=0, description="period")
+
+
+RateSpec = Annotated[Union[ConstantRate, StepRate, RampRate, DiurnalRate], Field(discriminator="kind")]
+
+
+class ArrivalSpec(_Strict):
+    process: Literal["poisson", "gamma"] = Field("poisson", description="inter-arrival law")
+    burstiness: float = Field(1.0, gt=0, description="gamma shape (as vllm bench serve): < 1 burstier")
+
+
+class TraceSpec(_Strict):
+    path: str = Field(description="CSV with arrived_at, num_prefill_tokens, num_decode_tokens[, request_class]")
+    time_scale: float = Field(1.0, gt=0, description="arrival times are divided by this (> 1 speeds up)")
+    start_s: float = Field(0.0, ge=0, description="skip arrivals before this trace time")
+    max_requests: int | None = Field(None, gt=0, description="take at most this many rows")
+
+
+class WorkloadSpec(_Strict):
+    arrival: ArrivalSpec = Field(default_factory=ArrivalSpec, description="arrival process")
+    rate: RateSpec | None = Field(None, description="rate schedule (not with trace)")
+    trace: TraceSpec | None = Field(None, description="replay a request trace")
+
+    @model_validator(mode="after")
+    def _one(self) -> "WorkloadSpec":
+        if (self.rate is None) == (self.trace is None):
+            raise ValueError("workload: give exactly one of rate or trace")
+        return self
+
+
+class SweepSpec(_Strict):
+    rps: list[Annotated[float, Field(gt=0)]] = Field(min_length=1, description="constant rates to run in turn")
+
+
+# ---- hardware and policies -----------------------------------------------------------
+class HardwareSpec(_Strict):
+    profile: str | None = Field(None, description="built-in profile name (see adaptspec.sim.gpu)")
+    profile_file: str | None = Field(None, description="profile JSON (relative to the scenario)")
+    replicas: int = Field(1, ge=1, description="replicas behind the router")
+    router: Literal["round_robin", "least_loaded", "random"] = Field("least_loaded", description="routing rule")
+    max_num_seqs: int | None = Field(None, gt=0, description="override the profile's running-request limit")
+
+    @model_validator(mode="after")
+    def _one(self) -> "HardwareSpec":
+        if (self.profile is None) == (self.profile_file is None):
+            raise ValueError("hardware: give exactly one of profile or profile_file")
+        return self
+
+
+class _PolicyBase(_Strict):
+    label: str | None = Field(None, description="name in tables and plots")
+
+
+class ThompsonSpec(_PolicyBase):
+    kind: Literal["thompson"]
+    discount: float = Field(0.995, gt=0, le=1, description="posterior discount per step")
+    cost_discount: float = Field(0.998, gt=0, le=1, description="cost-model discount per step")
+    margin: float = Field(0.9, gt=0, le=1, description="keep predicted TPOT within margin x target")
+    seed_cost_from_profile: bool = Field(False, description="seed the cost model with the hardware profile")
+
+
+class UCBSpec(_PolicyBase):
+    kind: Literal["ucb"]
+    mode: Literal["discounted", "window"] = Field("discounted", description="forgetting rule")
+    discount: float = Field(0.99, gt=0, le=1, description="discount per update")
+    window: int = Field(300, gt=0, description="updates kept (window mode)")
+    exploration: float = Field(0.5, ge=0, description="exploration weight")
+
+
+class StaticSpec(_PolicyBase):
+    kind: Literal["static"]
+    drafter: Literal["none", "ngram", "draft"] = Field(description="drafter")
+    k: int = Field(ge=0, le=16, description="drafted tokens per step")
+
+
+class ScheduleSpec(_PolicyBase):
+    kind: Literal["vllm_schedule"]
+    drafter: Literal["ngram", "draft"] = Field(description="drafter")
+    schedule: list[tuple[int, int, int]] = Field(min_length=1, description="[[start_batch, end_batch, k], ...]")
+
+
+class EmaSpec(_PolicyBase):
+    kind: Literal["ema"]
+    drafter: Literal["ngram", "draft"] = Field(description="drafter")
+    start_k: int = Field(4, ge=1, le=16, description="initial k")
+    alpha: float = Field(0.1, gt=0, le=1, description="EMA weight")
+    up: float = Field(0.8, gt=0, lt=1, description="raise k above this acceptance rate")
+    down: float = Field(0.5, gt=0, lt=1, description="lower k below this acceptance rate")
+
+
+class HeuristicSpec(_PolicyBase):
+    kind: Literal["heuristic"]
+    drafter: Literal["ngram", "draft"] = Field(description="drafter")
+    start_k: int = Field(5, ge=1, le=16, description="initial k")
+
+
+class OracleSpec(_PolicyBase):
+    kind: Literal["oracle"]
+    margin: float = Field(0.9, gt=0, le=1, description="keep TPOT within margin x target")
+
+
+PolicySpec = Annotated[
+    Union[ThompsonSpec, UCBSpec, StaticSpec, ScheduleSpec, EmaSpec, HeuristicSpec, OracleSpec],
+    Field(discriminator="kind"),
+]
+
+
+def policy_label(spec: PolicySpec) -> str:
+    if spec.label:
+        return spec.label
+    if isinstance(spec, StaticSpec):
+        return "static-none" if spec.k == 0 or spec.drafter == "none" else f"static-{spec.drafter}:{spec.k}"
+    if isinstance(spec, UCBSpec):
+        return "ucb" if spec.mode == "discounted" else "ucb-window"
+    return {"vllm_schedule": "vllm-schedule"}.get(spec.kind, spec.kind)
+
+
+class Scenario(_Strict):
+    name: str = Field(description="scenario name")
+    description: str = Field("", description="what it shows")
+    seed: int = Field(0, description="random seed")
+    duration_s: float = Field(gt=0, description="simulated seconds of arrivals")
+    warmup_s: float = Field(0.0, ge=0, description="arrivals before this are not measured")
+    drain_s: float = Field(120.0, ge=0, description="simulated seconds allowed after the last arrival")
+    hardware: HardwareSpec = Field(description="cost profile and replicas")
+    drafters: list[Literal["ngram", "draft"]] = Field(default_factory=lambda: ["ngram", "draft"],
+                                                      description="drafters the deployment has")
+    max_k: int = Field(8, ge=1, le=16, description="largest k a policy may choose")
+    classes: list[ClassSpec] = Field(min_length=1, description="request classes")
+    workload: WorkloadSpec = Field(description="arrivals")
+    sweep: SweepSpec | None = Field(None, description="run the workload at several constant rates")
+    slo: SLOSpec = Field(default_factory=SLOSpec, description="default SLOs for goodput")
+    policies: list[PolicySpec] = Field(min_length=1, description="policies to compare")
+    timeline_bin_s: float = Field(10.0, gt=0, description="bin width of over-time metrics")
+
+    @model_validator(mode="after")
+    def _check(self) -> "Scenario":
+        names = [c.name for c in self.classes]
+        if len(set(names)) != len(names):
+            raise ValueError("classes: names must be unique")
+        for i, c in enumerate(self.classes):
+            if self.workload.trace is None:
+                for f in ("prompt_tokens", "output_tokens"):
+                    if getattr(c, f) is None:
+                        raise ValueError(f"classes.{i}.{f}: required unless the workload is a trace")
+            for d in self.drafters:
+                if d not in c.acceptance:
+                    raise ValueError(f"classes.{i}.acceptance: missing drafter {d!r}")
+        labels = [policy_label(p) for p in self.policies]
+        if len(set(labels)) != len(labels):
+            raise ValueError("policies: labels must be unique (set label:)")
+        if self.warmup_s >= self.duration_s:
+            raise ValueError("warmup_s: must be < duration_s")
+        return self
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        lines.append(f"{loc or '<scenario>'}: {e['msg']}")
+    return "; ".join(lines)
+
+
+def parse_scenario(data: dict, source: str = "<scenario>") -> Scenario:
+    try:
+        return Scenario.model_validate(data)
+    except ValidationError as e:
+        raise ValueError(f"{source}: {_format_errors(e)}") from None
+
+
+def load_scenario(path: str | Path) -> tuple[Scenario, Path]:
+    """Read and validate a scenario; returns it and its folder (for relative paths)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping at the top level")
+    return parse_scenario(data, str(path)), path.parent
