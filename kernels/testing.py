@@ -1,0 +1,92 @@
+"""Helpers shared by the kernel tests and the bench: where the kernels run, ragged batches.
+
+Without CUDA the kernels run in the Triton interpreter on CPU tensors. Triton chooses
+interpreted or compiled when a ``@triton.jit`` function is defined, including its own
+``tl.max``/``tl.sum`` at ``import triton`` (and it reads the variable again lazily), so
+``load_kernels`` sets ``TRITON_INTERPRET=1`` for the rest of the process before it imports
+triton; it only affects triton, which nothing but these kernels uses. Call it before
+anything imports triton.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def load_kernels(device: str | None = None):
+    """Import ``adaptspec_kernels.verify``; return ``(module, device)`` the kernels run on.
+
+    ``device`` None: CUDA when available (compiled kernels), else the CPU (interpreter).
+    Once triton is imported the choice is fixed for the process: then the device follows it.
+    Raises ImportError when triton is missing or cannot run here.
+    """
+    if "triton" in sys.modules:
+        from triton.runtime.interpreter import InterpretedFunction
+        import triton.language as tl
+
+        device = "cpu" if isinstance(tl.max, InterpretedFunction) else "cuda"
+        if device == "cuda" and not torch.cuda.is_available():
+            raise ImportError("triton was imported without TRITON_INTERPRET=1 and there is no CUDA")
+    else:
+        if device is None:
+            interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+            device = "cuda" if torch.cuda.is_available() and not interpret else "cpu"
+        if device == "cpu":
+            os.environ["TRITON_INTERPRET"] = "1"  # stays set: triton reads it lazily too
+        importlib.import_module("triton")
+        importlib.import_module("adaptspec_kernels.triton_verify")
+    return importlib.import_module("adaptspec_kernels.verify"), device
+
+
+@dataclass(slots=True)
+class RaggedBatch:
+    num_draft_tokens: torch.Tensor  # [num_reqs] int64
+    target_logits: torch.Tensor  # [num_tokens, vocab_size]
+    temperature: torch.Tensor  # [num_reqs] float32
+    draft_probs: torch.Tensor  # [num_draft_tokens_total, vocab_size] q
+    draft_token_ids: torch.Tensor  # [num_draft_tokens_total] int64, drawn from q
+    uniform_accept: torch.Tensor  # [num_draft_tokens_total]
+    uniform_sample: torch.Tensor  # [num_reqs]
+
+    def target_rows_of_drafts(self) -> torch.Tensor:  # [num_draft_tokens_total] target row per draft row
+        n = self.num_draft_tokens
+        req = torch.repeat_interleave(torch.arange(n.numel(), device=n.device), n)
+        return torch.arange(int(n.sum()), device=n.device) + req
+
+
+def make_batch(
+    num_draft_tokens: list[int],
+    vocab_size: int,
+    *,
+    seed: int = 0,
+    device: str = "cpu",
+    logit_scale: float = 2.0,
+    draft_noise: float = 0.5,
+) -> RaggedBatch:
+    """A random ragged batch whose draft distribution is a noisy copy of the target's
+    (so that a fair share of drafted tokens is accepted)."""
+    g = torch.Generator().manual_seed(seed)
+    n = torch.tensor(num_draft_tokens, dtype=torch.int64)
+    num_tokens, num_drafts = int((n + 1).sum()), int(n.sum())
+    logits = torch.randn(num_tokens, vocab_size, generator=g) * logit_scale
+    temperature = 0.5 + 1.5 * torch.rand(n.numel(), generator=g)
+    batch = RaggedBatch(n, logits, temperature, torch.empty(0), torch.empty(0, dtype=torch.int64),
+                        torch.rand(num_drafts, generator=g), torch.rand(n.numel(), generator=g))
+    rows = batch.target_rows_of_drafts()
+    draft_logits = logits[rows] + draft_noise * torch.randn(num_drafts, vocab_size, generator=g)
+    batch.draft_probs = torch.softmax(draft_logits, -1)
+    batch.draft_token_ids = (torch.multinomial(batch.draft_probs, 1, generator=g).squeeze(1)
+                             if num_drafts else torch.empty(0, dtype=torch.int64))
+    for name in ("num_draft_tokens", "target_logits", "temperature", "draft_probs", "draft_token_ids",
+                 "uniform_accept", "uniform_sample"):
+        setattr(batch, name, getattr(batch, name).to(device))
+    return batch
