@@ -87,11 +87,16 @@ class DraftModelProposer(Proposer):
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         m, dev = self.model, self.model.device
-        for s in seqs:  # catch up long unfed stretches (new requests, drafter switches) one by one
-            unfed = len(s.token_ids) - s.draft_computed
-            if unfed > 2:
-                ids = torch.tensor([s.token_ids[s.draft_computed:-1]], device=dev)
-                m.forward(ids, [s.slot], [s.draft_computed], [unfed - 1], logits_rows=torch.zeros(1, dtype=torch.long, device=dev))
+        behind = [s for s in seqs if len(s.token_ids) - s.draft_computed > 2]
+        if behind:  # catch up long unfed stretches (new requests, drafter switches) in one pass
+            chunks = [s.token_ids[s.draft_computed:-1] for s in behind]
+            T = max(len(c) for c in chunks)
+            ids = torch.zeros(len(behind), T, dtype=torch.long, device=dev)
+            for r, c in enumerate(chunks):
+                ids[r, :len(c)] = torch.tensor(c)
+            m.forward(ids, [s.slot for s in behind], [s.draft_computed for s in behind],
+                      [len(c) for c in chunks], logits_rows=torch.zeros(1, dtype=torch.long, device=dev))
+            for s in behind:
                 s.draft_computed = len(s.token_ids) - 1
         drafts = [Draft([], None) for _ in seqs]
         stoch_probs: list[list[torch.Tensor]] = [[] for _ in seqs]

@@ -25,7 +25,6 @@ class Scheduler:
         seq.slot = self.free_slots.pop()
         seq.status = Status.RUNNING
         self.running.append(seq)
-        self.running.sort(key=lambda s: s.slot)
 
     def free(self, seq: Sequence) -> None:
         if seq.slot >= 0:
@@ -42,6 +41,8 @@ class Scheduler:
             seq = self.waiting.popleft()
             self.allocate(seq)
             admitted.append(seq)
+        if admitted:
+            self.running.sort(key=lambda s: s.slot)
         return admitted
 
     def remove_waiting(self, seq: Sequence) -> bool:

@@ -17,7 +17,7 @@ class Status(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity equality: sequences are compared in queues
 class Sequence:
     request_id: str
     token_ids: list[int]  # prompt + output so far

@@ -1,0 +1,98 @@
+"""Our compact Llama forward against transformers' own, and the slot KV cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from adaptspec.models.llama import LlamaModel
+from adaptspec.models.loader import load_weights
+from tests.conftest import make_tiny_model
+
+
+def _ours(folder, matmul, dtype=torch.float32, slots=4, max_len=128):
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    m = LlamaModel.from_hf(hf, dtype=dtype, matmul=matmul)
+    m.allocate_cache(slots, max_len)
+    return hf, m
+
+
+def _prefill_then_ragged(hf, m, vocab, tol):
+    torch.manual_seed(3)
+    ids = torch.randint(0, vocab, (2, 24))
+    with torch.no_grad():
+        ref = hf(ids).logits  # [2, 24, vocab]
+    lg, _ = m.forward(ids[:, :16], [2, 0], [0, 0], [16, 16])  # non-contiguous slots
+    assert (lg.view(2, 16, -1) - ref[:, :16]).abs().max() <= tol
+    # a ragged continuation: row 0 adds 8 tokens, row 1 only 5 (3 padding columns)
+    lg2, hidden = m.forward(ids[:, 16:24], [2, 0], [16, 16], [8, 5])
+    lg2 = lg2.view(2, 8, -1)
+    assert (lg2[0] - ref[0, 16:24]).abs().max() <= tol
+    assert (lg2[1, :5] - ref[1, 16:21]).abs().max() <= tol
+    assert hidden.shape == (2, 8, m.cfg.hidden_size)
+
+
+@pytest.mark.parametrize("model_type,tie", [("llama", False), ("llama", True), ("qwen2", False)])
+def test_tiny_logits_match_transformers(tmp_path, model_type, tie):
+    folder = make_tiny_model(tmp_path, vocab=40, seed=5, model_type=model_type, tie=tie)
+    hf, m = _ours(folder, "reference")
+    _prefill_then_ragged(hf, m, 40, 1e-4)
+    hf, m = _ours(folder, "fast")
+    _prefill_then_ragged(hf, m, 40, 1e-4)
+
+
+def test_rollback_is_setting_the_length(tiny_dir):
+    """Write 4 speculative tokens, keep 1 (length set back), continue: same as never drafting."""
+    hf, m = _ours(tiny_dir, "reference")
+    ids = torch.tensor([[1, 5, 7, 2, 9, 3]])
+    m.forward(ids[:, :3], [1], [0], [3])
+    m.forward(torch.tensor([[11, 12, 13, 14]]), [1], [3], [4])  # drafted, then 3 rejected
+    # roll back: the slot's length becomes 4, keeping the accepted token 11 at position 3;
+    # positions 4..6 still hold 12, 13, 14 but are overwritten and never attended to
+    lg, _ = m.forward(ids[:, 4:6], [1], [4], [2])
+    ref_ids = torch.tensor([[1, 5, 7, 11, 9, 3]])
+    with torch.no_grad():
+        ref = hf(ref_ids).logits[0, 4:6]
+    assert (lg - ref).abs().max() <= 1e-4
+
+
+def test_smollm2_logits_match_transformers(smollm_dir):
+    hf = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+    from transformers import AutoConfig
+
+    from adaptspec.models.llama import LlamaConfig
+
+    cfg = LlamaConfig.from_hf(AutoConfig.from_pretrained(smollm_dir))
+    assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.tie_word_embeddings) == (30, 9, 3, True)
+    m = LlamaModel(cfg, load_weights(smollm_dir), torch.float32, "cpu", "reference")
+    m.allocate_cache(4, 64)
+    _prefill_then_ragged(hf, m, cfg.vocab_size, 1e-4)
+
+
+def test_smollm2_fast_layout_close(smollm_dir):
+    """The transposed-weight layout only changes fp32 rounding (about 1e-3 on logits of ~20)."""
+    hf = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
+    m = LlamaModel.from_hf(hf, matmul="fast")
+    m.allocate_cache(2, 64)
+    ids = torch.randint(0, 49152, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    lg, _ = m.forward(ids, [0], [0], [12])
+    assert (lg - ref).abs().max() <= 5e-3
+    assert torch.equal(lg.argmax(-1), ref.argmax(-1))
+
+
+def test_bfloat16_runs_and_agrees_roughly(tiny_dir):
+    hf, m = _ours(tiny_dir, "fast", dtype=torch.bfloat16)
+    ids = torch.randint(0, 16, (1, 10), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(ids).logits[0]
+    lg, _ = m.forward(ids, [0], [0], [10])
+    assert lg.dtype == torch.bfloat16
+    assert (lg.float() - ref).abs().max() < 0.25
+
+
+def test_context_past_cache_is_refused(tiny_dir):
+    _, m = _ours(tiny_dir, "fast", max_len=8)
+    with pytest.raises(ValueError, match="KV cache length"):
+        m.forward(torch.zeros(1, 9, dtype=torch.long), [0], [0], [9])
