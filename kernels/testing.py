@@ -4,8 +4,8 @@ Without CUDA the kernels run in the Triton interpreter on CPU tensors. Triton ch
 interpreted or compiled when a ``@triton.jit`` function is defined, including its own
 ``tl.max``/``tl.sum`` at ``import triton`` (and it reads the variable again lazily), so
 ``load_kernels`` sets ``TRITON_INTERPRET=1`` for the rest of the process before it imports
-triton; it only affects triton, which nothing but these kernels uses. Call it before
-anything imports triton.
+triton (re-importing triton's Python modules when something imported it earlier); it only
+affects triton, which nothing but these kernels runs on a machine without CUDA.
 """
 from __future__ import annotations
 
@@ -22,28 +22,41 @@ def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+def _interpreted() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+    import triton.language as tl
+
+    return isinstance(tl.max, InterpretedFunction)
+
+
+def _forget_triton() -> None:
+    """Drop triton's Python modules (and ours) so the next import re-decorates them; the
+    compiled extension ``triton._C`` stays (it cannot be loaded twice)."""
+    for name in list(sys.modules):
+        if ((name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")) \
+                or name.startswith("adaptspec_kernels.triton_verify") or name == "adaptspec_kernels.verify":
+            del sys.modules[name]
+
+
 def load_kernels(device: str | None = None):
     """Import ``adaptspec_kernels.verify``; return ``(module, device)`` the kernels run on.
 
     ``device`` None: CUDA when available (compiled kernels), else the CPU (interpreter).
-    Once triton is imported the choice is fixed for the process: then the device follows it.
-    Raises ImportError when triton is missing or cannot run here.
+    When triton was already imported in compiled mode on a machine without CUDA (torch's
+    ``_dynamo`` imports it whenever it is installed), its Python modules are imported again
+    under the interpreter; nothing can run compiled kernels there anyway.
     """
-    if "triton" in sys.modules:
-        from triton.runtime.interpreter import InterpretedFunction
-        import triton.language as tl
-
-        device = "cpu" if isinstance(tl.max, InterpretedFunction) else "cuda"
-        if device == "cuda" and not torch.cuda.is_available():
-            raise ImportError("triton was imported without TRITON_INTERPRET=1 and there is no CUDA")
-    else:
-        if device is None:
-            interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
-            device = "cuda" if torch.cuda.is_available() and not interpret else "cpu"
-        if device == "cpu":
-            os.environ["TRITON_INTERPRET"] = "1"  # stays set: triton reads it lazily too
-        importlib.import_module("triton")
-        importlib.import_module("adaptspec_kernels.triton_verify")
+    if device is None:
+        interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+        device = "cuda" if torch.cuda.is_available() and not interpret else "cpu"
+    if "triton" in sys.modules and device == "cuda" and _interpreted():
+        device = "cpu"  # the process already chose the interpreter
+    if device == "cpu":
+        os.environ["TRITON_INTERPRET"] = "1"  # stays set: triton also reads it lazily
+        if "triton" in sys.modules and not _interpreted():
+            _forget_triton()
+    importlib.import_module("triton")
+    importlib.import_module("adaptspec_kernels.triton_verify")
     return importlib.import_module("adaptspec_kernels.verify"), device
 
 
