@@ -73,12 +73,14 @@ class BatchPicture:
     decoding: float = 1.0
     smoothing: float = 0.2
     version: int = 0  # bumped by every observed step
+    emitted: float = 0.0  # tokens emitted per step
 
     def observe(self, step: StepOutcome) -> None:
         s = self.smoothing
         self.version += 1
         n_dec = sum(g.num_requests for g in step.groups)
         self.prefill_tokens += s * (step.num_prefill - self.prefill_tokens)
+        self.emitted += s * (sum(g.emitted for g in step.groups) - self.emitted)
         if n_dec:
             self.context_per_request += s * (step.context_tokens / n_dec - self.context_per_request)
             self.decoding += s * (n_dec - self.decoding)
@@ -173,7 +175,10 @@ class Planner:
         ngram = n_o * mix.ngram + n_c * t.ngram_f
         T = cost.predict(verify, ctx, n_o * mix.draft, n_c, t.k_draft, ngram, ctx / B)
         L = accepted_length
-        goodput = (n_o * mix.emitted + n_c * L) / T
+        # with requests waiting, a step also serves prefill work (the chunk it carries):
+        # value it in decode-token equivalents, so long steps pay for delaying admission
+        backlog = picture.emitted if load.queued > 0 and picture.prefill_tokens > 0 else 0.0
+        goodput = (n_o * mix.emitted + n_c * L + backlog) / T
         budget = mix.budget
         tgt = self.targets.get(request_class)
         if tgt is not None and tgt.tpot_s is not None:
@@ -182,11 +187,11 @@ class Planner:
             if budget < np.inf:
                 feasible &= T <= budget
             if not feasible.any():
-                return int(np.argmin(tpot))
+                return int(np.argmax(goodput))  # the target is out of reach this step: throughput
         elif budget < np.inf:
             feasible = T <= budget
             if not feasible.any():
-                return int(np.argmin(T))
+                return int(np.argmax(goodput))
         else:
             return int(np.argmax(goodput))
         goodput[~feasible] = -np.inf

@@ -18,9 +18,9 @@ def load_bucket(batch_size: int) -> int:
 @dataclass(slots=True)
 class UCBConfig:
     mode: str = "discounted"  # or "window"
-    discount: float = 0.99  # per update of a (class, bucket)
+    discount: float = 0.998  # per update of a (class, bucket)
     window: int = 300  # updates kept per (class, bucket) in window mode
-    exploration: float = 0.5  # c in mean + c * sqrt(log(n) / n_a)
+    exploration: float = 0.05  # c in mean + c * sqrt(log(n) / n_a)
 
     def __post_init__(self) -> None:
         if self.mode not in ("discounted", "window"):
@@ -37,9 +37,9 @@ class _Cell:
 class DiscountedUCB(Policy):
     """UCB over the arm table per (class, load bucket).
 
-    Reward of a class's arm in a step = emitted tokens per request / step seconds (the
-    tokens per second its requests saw), divided by a slowly decaying running maximum per
-    class so rewards lie in [0, 1]. A TPOT class earns 0 in a step whose per-token latency
+    Reward of a class's arm in a step = the step's emitted tokens per request per second of
+    step time (the batch's goodput: an arm that slows the step for everyone pays for it),
+    divided by a slowly decaying running maximum per class so rewards lie in [0, 1]. A TPOT class earns 0 in a step whose per-token latency
     (step seconds / emitted per request) missed its target, which steers it to arms that
     meet the target; throughput classes do not see other classes' targets.
     """
@@ -68,8 +68,8 @@ class DiscountedUCB(Policy):
         self._pending[request_class] = bucket
         cell = self._cell((request_class, bucket))
         untried = np.flatnonzero(cell.n < 1e-9)
-        if untried.size:
-            return self.table.arms[int(untried[0])]
+        if untried.size:  # in random order, so classes sharing a step do not move in lockstep
+            return self.table.arms[int(self.rng.choice(untried))]
         total = cell.n.sum()
         index = cell.s / cell.n + self.ucb.exploration * np.sqrt(np.log(max(total, 2.0)) / cell.n)
         best = np.flatnonzero(index >= index.max() - 1e-12)
@@ -78,13 +78,18 @@ class DiscountedUCB(Policy):
     def _observe(self, outcome: StepOutcome) -> None:
         if outcome.wall_s <= 0:
             return
+        n_all = sum(g.num_requests for g in outcome.groups)
+        if n_all == 0:
+            return
+        # the batch's goodput: a class's arm is judged by what the whole step emitted
+        step_rate = sum(g.emitted for g in outcome.groups) / (n_all * outcome.wall_s)
         for g in outcome.groups:
             c = g.request_class
             n = g.num_requests
             if n == 0:
                 continue
             per_request = g.emitted / n
-            rate = per_request / outcome.wall_s
+            rate = step_rate
             tgt = self.targets.get(c)
             if tgt is not None and tgt.tpot_s is not None and outcome.wall_s / per_request > tgt.tpot_s:
                 rate = 0.0

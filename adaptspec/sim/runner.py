@@ -87,8 +87,9 @@ def cost_model(sc: Scenario, base: Path) -> ProfileCostModel:
         if not path.exists():
             raise ValueError(f"hardware.profile_file: {path} does not exist")
         model = ProfileCostModel.load(path)
-    if hw.max_num_seqs is not None:
-        model = ProfileCostModel(model.profile.model_copy(update={"max_num_seqs": hw.max_num_seqs}))
+    update = {k: getattr(hw, k) for k in ("max_num_seqs", "max_batched_tokens") if getattr(hw, k) is not None}
+    if update:
+        model = ProfileCostModel(model.profile.model_copy(update=update))
     return model
 
 
@@ -101,7 +102,14 @@ class PolicyRun:
 def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost: ProfileCostModel,
                  clock: list[float], seed: int) -> PolicyRun:
     """``clock`` holds the current simulated time (the oracle reads shifted truths by it)."""
-    targets = tuple(ClassTarget(c.name, c.target.tpot_s, c.target.ttft_s) for c in sc.classes if c.target)
+    targets = []
+    for c in sc.classes:
+        t = c.target
+        if t is None and sc.targets_from_slo:
+            t = c.slo or sc.slo
+        if t is not None and (t.tpot_s is not None or t.ttft_s is not None):
+            targets.append(ClassTarget(c.name, t.tpot_s, t.ttft_s))
+    targets = tuple(targets)
     cfg = PolicyConfig(tuple(sc.drafters), sc.max_k, targets, seed)
     if isinstance(spec, ThompsonSpec):
         p = ModelBasedThompson(cfg, ThompsonConfig(spec.discount, spec.cost_discount, spec.margin),
@@ -149,9 +157,10 @@ def _workload(sc: Scenario, base: Path, rate: float | None, rng: np.random.Gener
     return synthesize(wl, sc.classes, sc.duration_s, rng)
 
 
-def run_scenario(sc: Scenario, base: Path, *, only: list[str] | None = None, seed: int | None = None,
+def run_scenario(sc: Scenario, base: Path | None, *, only: list[str] | None = None, seed: int | None = None,
                  progress: Callable[[str, float], None] | None = None) -> ScenarioResult:
     seed = sc.seed if seed is None else seed
+    base = Path(".") if base is None else base
     truths = class_truths(sc, base)
     cost = cost_model(sc, base)
     specs = [p for p in sc.policies if only is None or policy_label(p) in only]

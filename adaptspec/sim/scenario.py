@@ -166,6 +166,7 @@ class HardwareSpec(_Strict):
     replicas: int = Field(1, ge=1, description="replicas behind the router")
     router: Literal["round_robin", "least_loaded", "random"] = Field("least_loaded", description="routing rule")
     max_num_seqs: int | None = Field(None, gt=0, description="override the profile's running-request limit")
+    max_batched_tokens: int | None = Field(None, gt=0, description="override the profile's step token budget")
 
     @model_validator(mode="after")
     def _one(self) -> "HardwareSpec":
@@ -189,9 +190,9 @@ class ThompsonSpec(_PolicyBase):
 class UCBSpec(_PolicyBase):
     kind: Literal["ucb"]
     mode: Literal["discounted", "window"] = Field("discounted", description="forgetting rule")
-    discount: float = Field(0.99, gt=0, le=1, description="discount per update")
+    discount: float = Field(0.998, gt=0, le=1, description="discount per update")
     window: int = Field(300, gt=0, description="updates kept (window mode)")
-    exploration: float = Field(0.5, ge=0, description="exploration weight")
+    exploration: float = Field(0.05, ge=0, description="exploration weight")
 
 
 class StaticSpec(_PolicyBase):
@@ -258,6 +259,7 @@ class Scenario(_Strict):
     sweep: SweepSpec | None = Field(None, description="run the workload at several constant rates")
     slo: SLOSpec = Field(default_factory=SLOSpec, description="default SLOs for goodput")
     policies: list[PolicySpec] = Field(min_length=1, description="policies to compare")
+    targets_from_slo: bool = Field(True, description="a class without a target takes its SLO's TPOT/TTFT as the target")
     timeline_bin_s: float = Field(10.0, gt=0, description="bin width of over-time metrics")
 
     @model_validator(mode="after")

@@ -1,0 +1,149 @@
+"""Controller building blocks: arms, outcomes, posteriors, the online cost model, the planner."""
+import numpy as np
+import pytest
+
+from adaptspec.control import (
+    NO_SPEC,
+    Arm,
+    ClassTarget,
+    Load,
+    ModelBasedThompson,
+    OnlineStepCost,
+    PolicyConfig,
+    RequestOutcome,
+    StaticPolicy,
+    StepOutcome,
+)
+from adaptspec.control.acceptance import DiscountedBeta, accepted_length_curve, successes_failures
+from adaptspec.control.planner import BatchPicture, Planner, ArmTable
+
+
+def test_arm_validation_and_normalisation():
+    assert Arm("draft", 0) == NO_SPEC  # k = 0 is always "no drafting"
+    assert Arm("none", 3) == NO_SPEC
+    with pytest.raises(ValueError, match="drafter"):
+        Arm("medusa", 2)
+    with pytest.raises(ValueError, match="k"):
+        Arm("draft", 17)
+    assert str(Arm("ngram", 4)) == "ngram:4"
+
+
+def test_step_outcome_from_requests_groups_by_class_and_arm():
+    reqs = [
+        RequestOutcome("a", "chat", "draft", 4, 2, 3),
+        RequestOutcome("b", "chat", "draft", 4, 4, 5),
+        RequestOutcome("c", "chat", "draft", 4, 0, 1),
+        RequestOutcome("d", "code", "ngram", 2, 1, 2),
+    ]
+    out = StepOutcome.from_requests(reqs, batch_size=4, num_prefill=0, verify_tokens=18, context_tokens=100,
+                                    draft_s=0.01, verify_s=0.02, other_s=0.001, wall_s=0.031)
+    groups = {(g.request_class, str(g.arm)): g for g in out.groups}
+    chat = groups[("chat", "draft:4")]
+    # accepted 2, 4, 0 of 4: histogram over 0..4
+    assert chat.accepted_hist.tolist() == [1, 0, 1, 0, 1]
+    assert chat.num_requests == 3 and chat.accepted == 6 and chat.emitted == 9
+    assert groups[("code", "ngram:2")].accepted_hist.tolist() == [0, 1, 0]
+
+
+def test_successes_and_failures_per_position():
+    # 3 requests accepted 0, 1 requests accepted 2, 2 requests accepted all 3:
+    # position 1: successes = 3 (those with >= 1), failures = 3 (accepted 0 failed at 1)
+    # position 2: successes = 3, failures = 0; position 3: successes 2, failures 1
+    s, f = successes_failures(np.array([3, 0, 1, 2]))
+    assert s.tolist() == [3, 3, 2] and f.tolist() == [3, 0, 1]
+    post = DiscountedBeta(4, discount=1.0)
+    post.update(np.array([3, 0, 1, 2]))
+    assert post.a[0].tolist() == [4, 4, 3, 1]  # prior 1 + successes; position 4 unobserved
+    assert post.b[0].tolist() == [4, 1, 2, 1]
+
+
+def test_discount_forgets_toward_prior():
+    post = DiscountedBeta(2, discount=0.5)
+    post.update(np.array([0, 0, 10]))
+    post.update(np.array([0, 0, 0]))  # an empty step only decays
+    assert post.a[0, 0] == pytest.approx(1 + 5)
+
+
+def test_accepted_length_curve_matches_closed_form():
+    for a in (0.3, 0.6, 0.9):
+        L = accepted_length_curve(np.full(8, a))
+        for k in range(9):
+            assert L[k] == pytest.approx((1 - a ** (k + 1)) / (1 - a))
+
+
+def _steps(cost_fn, n=400, seed=0):
+    rng = np.random.default_rng(seed)
+    for _ in range(n):
+        tokens = int(rng.integers(1, 3000))
+        ctx = int(rng.integers(0, 200_000))
+        yield tokens, ctx, cost_fn(tokens, ctx)
+
+
+def test_online_cost_model_learns_a_piecewise_linear_verify_curve():
+    def true_verify(n, ctx):  # flat to 256 tokens, then 20 us per token, plus KV reads
+        return 0.006 + 2e-5 * max(n - 256, 0) + 5e-8 * ctx
+
+    model = OnlineStepCost(discount=1.0)
+    for tokens, ctx, y in _steps(true_verify):
+        model.observe(StepOutcome(1, 0, tokens, ctx, 0.0, y, 0.0, y), np.zeros(8), 0, 0.0)
+    for n in (1, 128, 512, 2048):
+        pred = model.predict(np.array([float(n)]), 50_000, np.zeros(8), 0.0, np.zeros(1), np.zeros(1), 0.0)[0]
+        assert pred == pytest.approx(true_verify(n, 50_000), rel=0.03)
+
+
+def test_planner_keeps_a_throughput_class_within_a_latency_class_budget():
+    class Linear:  # step time: 5 ms + 1 ms per verified token
+        def predict(self, verify, ctx, draft_other, n_class, k_draft, ngram, mean_ctx):
+            return 0.005 + 0.001 * np.asarray(verify, dtype=float)
+
+    table = ArmTable.build(("draft",), 8)
+    L = np.concatenate([[1.0], accepted_length_curve(np.full(8, 0.95))[1:]])
+    picture = BatchPicture()
+    picture.observe(_two_class_step())
+    others = {"chat": 2.0}  # chat's current arm emits 2 tokens per step
+    free = Planner(table, {}).plan("batch", Load(8), picture, L, others, Linear())
+    tight = Planner(table, {"chat": ClassTarget("chat", tpot_s=0.02)}).plan("batch", Load(8), picture, L, others, Linear())
+    # 4 chat requests verify 3 tokens each (draft:2); 4 batch requests verify k + 1 each.
+    # Without a target, goodput peaks at k = 6; chat's budget 0.9 * 20 ms * 2 = 36 ms allows
+    # 17 ms + 4 ms (k + 1) <= 36 ms, i.e. k <= 3, and k = 3 has the best goodput among those.
+    assert table.k[free] == 6
+    assert table.k[tight] == 3
+
+
+def _two_class_step():
+    from adaptspec.control import GroupOutcome
+
+    groups = [GroupOutcome("chat", Arm("draft", 2), np.array([0, 4, 0]), 8),
+              GroupOutcome("batch", Arm("draft", 2), np.array([0, 0, 4]), 12)]
+    return StepOutcome(8, 0, 24, 8000, 0.001, 0.02, 0.001, 0.022, groups)
+
+
+def test_thompson_is_deterministic_for_a_seed_and_uses_the_injected_clock():
+    ticks = iter(np.arange(0, 1000, 0.5))
+
+    def run(seed):
+        p = ModelBasedThompson(PolicyConfig(seed=seed), clock=lambda: next(ticks))
+        arms = []
+        for i in range(50):
+            arm = p.choose("chat", Load(8, 0, 40, 8000))
+            arms.append(arm)
+            acc = np.minimum(np.random.default_rng(i).geometric(0.3, 8) - 1, arm.k)
+            reqs = [RequestOutcome(str(j), "chat", arm.drafter, arm.k, int(a), int(a) + 1) for j, a in enumerate(acc)]
+            p.observe(StepOutcome.from_requests(reqs, batch_size=8, num_prefill=0, verify_tokens=8 * (arm.k + 1),
+                                                context_tokens=8000, draft_s=0.001 * arm.k, verify_s=0.01,
+                                                other_s=0.001, wall_s=0.012 + 0.001 * arm.k))
+        return arms, p.stats
+
+    a1, s1 = run(7)
+    a2, _ = run(7)
+    a3, _ = run(8)
+    assert a1 == a2
+    assert a1 != a3
+    assert s1.decisions == 50 and s1.decision_s_total == pytest.approx(50 * 0.5)  # the fake clock ticks 0.5
+
+
+def test_static_policy_counts_arms():
+    p = StaticPolicy(Arm("draft", 3))
+    for _ in range(5):
+        assert p.choose("x", Load()) == Arm("draft", 3)
+    assert p.stats.arm_counts == {"x": {"draft:3": 5}}
