@@ -1,0 +1,126 @@
+"""Engine behaviour on tiny random models: batching, seeds, stops, bad input."""
+from __future__ import annotations
+
+import pytest
+
+from adaptspec import Engine, SamplingParams, SpecConfig
+from tests.conftest import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir, tiny_draft_dir):
+    return Engine.from_pretrained(str(tiny_dir), draft=str(tiny_draft_dir), max_num_seqs=4, max_model_len=128)
+
+
+PROMPTS = [[1, 2, 3], [4, 5, 4, 5, 4, 5, 4], [7] * 20, [9, 3, 9, 3, 9, 1, 2, 9, 3]]
+
+
+def test_greedy_speculation_equals_plain(engine):
+    params = SamplingParams(max_new_tokens=24)
+    plain = [o.token_ids for o in engine.generate(PROMPTS, params, SpecConfig())]
+    for spec in (SpecConfig("ngram", 1), SpecConfig("ngram", 8), SpecConfig("draft", 3), SpecConfig("draft", 8)):
+        outs = engine.generate(PROMPTS, params, spec)
+        assert [o.token_ids for o in outs] == plain, spec
+        assert all(len(o.token_ids) == 24 and o.finish_reason == "length" for o in outs)
+    assert engine.totals.accepted > 0
+
+
+def test_continuous_batching_matches_running_alone(engine):
+    """Requests of different lengths and k join mid-way and leave early: same tokens as alone."""
+    specs = [SpecConfig("draft", 2), SpecConfig("ngram", 5), SpecConfig(), SpecConfig("draft", 7),
+             SpecConfig("ngram", 1), SpecConfig("draft", 4)]
+    prompts = PROMPTS + [[2, 2, 8], [6, 1]]
+    lens = [5, 30, 12, 20, 8, 16]
+    alone = [engine.generate([p], SamplingParams(max_new_tokens=n), s)[0].token_ids
+             for p, n, s in zip(prompts, lens, specs)]
+    done, rids = {}, []
+    for i, (p, n, s) in enumerate(zip(prompts, lens, specs)):  # one joins every step; 6 > 4 slots
+        rids.append(engine.add_request(p, SamplingParams(max_new_tokens=n), s))
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.token_ids
+    assert [done[r] for r in rids] == alone
+
+
+def test_arm_may_change_every_step(engine):
+    params = SamplingParams(max_new_tokens=30)
+    plain = engine.generate([PROMPTS[1]], params)[0].token_ids
+    rid = engine.add_request(PROMPTS[1], params, SpecConfig("draft", 3))
+    arms = [SpecConfig("ngram", 4), SpecConfig(), SpecConfig("draft", 1), SpecConfig("draft", 6)]
+    out, i = None, 0
+    while engine.has_unfinished():
+        for o in engine.step():
+            out = o if o.finished else out
+        if rid in engine.requests:
+            engine.set_spec(rid, arms[i % len(arms)])
+            i += 1
+    assert out.token_ids == plain
+    assert len(out.stats.arms) >= 3
+
+
+def test_per_request_seeds_reproduce(engine):
+    p = [SamplingParams(max_new_tokens=16, temperature=1.0, seed=s) for s in (1, 1, 2)]
+    a = engine.generate(PROMPTS[:1] * 3, p, SpecConfig("draft", 3))
+    b = engine.generate(PROMPTS[:1] * 3, p, SpecConfig("draft", 3))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert a[0].token_ids == a[1].token_ids != a[2].token_ids
+
+
+def test_stats_are_consistent(engine):
+    out = engine.generate([PROMPTS[2]], SamplingParams(max_new_tokens=20), SpecConfig("ngram", 4))[0]
+    st = out.stats
+    # every output token but the prefill's first comes from a verification step
+    assert st.emitted == len(out.token_ids) - 1
+    assert st.accepted == sum(st.accepted_per_position) <= st.drafted
+    assert st.mean_accepted_length == pytest.approx(st.emitted / st.steps)
+    step = engine.last_step
+    assert step.verify_tokens >= step.batch_size and step.wall_s >= step.verify_s
+
+
+def test_stop_strings_and_abort(engine):
+    out = engine.generate([PROMPTS[2]], SamplingParams(max_new_tokens=20))[0]
+    word = out.text.split()[2]
+    stopped = engine.generate([PROMPTS[2]], SamplingParams(max_new_tokens=20, stop=[word]))[0]
+    assert stopped.finish_reason == "stop" and word not in stopped.text and len(stopped.token_ids) < 20
+    rid = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=50))
+    engine.step()
+    free_before = len(engine.scheduler.free_slots)
+    assert engine.abort(rid) and len(engine.scheduler.free_slots) == free_before + 1
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("make,field", [
+    (lambda: SamplingParams(max_new_tokens=0), "max_new_tokens"),
+    (lambda: SamplingParams(temperature=-0.1), "temperature"),
+    (lambda: SamplingParams(top_p=0.0), "top_p"),
+    (lambda: SamplingParams(top_p=1.5), "top_p"),
+    (lambda: SamplingParams(top_k=-1), "top_k"),
+    (lambda: SpecConfig("ngram", 17), "k"),
+    (lambda: SpecConfig("ngram", -1), "k"),
+    (lambda: SpecConfig("medusa", 2), "drafter"),
+])
+def test_bad_parameters_name_the_field(make, field):
+    with pytest.raises(ValueError, match=field):
+        make()
+
+
+def test_bad_requests_name_the_field(engine, tiny_dir):
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request("   ")
+    with pytest.raises(ValueError, match="prompt"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        engine.add_request([1, 2], SamplingParams(max_new_tokens=500))
+    no_draft = Engine.from_pretrained(str(tiny_dir), max_num_seqs=1, max_model_len=64)
+    with pytest.raises(ValueError, match="drafter"):
+        no_draft.add_request([1], spec=SpecConfig("draft", 2))
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_dir, tmp_path):
+    other = make_tiny_model(tmp_path, vocab=20, seed=2)
+    with pytest.raises(ValueError, match="draft: vocabulary"):
+        Engine.from_pretrained(str(tiny_dir), draft=str(other))
