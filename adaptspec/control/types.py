@@ -124,6 +124,20 @@ class StepOutcome:
         return cls(batch_size, num_prefill, verify_tokens, context_tokens, draft_s, verify_s,
                    other_s, wall_s, groups, queued)
 
+    @classmethod
+    def from_step_stats(cls, st) -> "StepOutcome":
+        """Adapter for the engine's ``StepStats`` (read by attribute; no engine import).
+
+        The engine prefills in its own pass, so its ``verify_tokens``/``verify_s`` cover the
+        verification pass only and its prefill time is counted with the host overhead.
+        """
+        reqs = [RequestOutcome(r.request_id, r.request_class, r.drafter, r.k, r.accepted, r.emitted)
+                for r in st.requests]
+        return cls.from_requests(
+            reqs, batch_size=st.batch_size, num_prefill=0, verify_tokens=st.verify_tokens,
+            context_tokens=st.context_tokens, draft_s=st.draft_s, verify_s=st.verify_s,
+            other_s=st.other_s + getattr(st, "prefill_s", 0.0), wall_s=st.wall_s, queued=getattr(st, "num_waiting", 0))
+
 
 @dataclass(slots=True, frozen=True)
 class ClassTarget:

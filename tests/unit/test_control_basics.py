@@ -147,3 +147,16 @@ def test_static_policy_counts_arms():
     for _ in range(5):
         assert p.choose("x", Load()) == Arm("draft", 3)
     assert p.stats.arm_counts == {"x": {"draft:3": 5}}
+
+
+def test_adapter_from_engine_step_stats_fields():
+    from types import SimpleNamespace as NS
+
+    reqs = [NS(request_id="a", request_class="chat", drafter="ngram", k=3, drafted=2, accepted=2, emitted=3),
+            NS(request_id="b", request_class="chat", drafter="ngram", k=3, drafted=3, accepted=0, emitted=1)]
+    st = NS(batch_size=2, prefill_tokens=0, verify_tokens=8, context_tokens=300, draft_s=0.001, verify_s=0.03,
+            other_s=0.002, prefill_s=0.01, wall_s=0.043, num_waiting=4, requests=reqs)
+    out = StepOutcome.from_step_stats(st)
+    (g,) = out.groups
+    assert g.arm == Arm("ngram", 3) and g.accepted_hist.tolist() == [1, 0, 1, 0] and g.emitted == 4
+    assert out.other_s == pytest.approx(0.012) and out.queued == 4 and out.verify_tokens == 8
