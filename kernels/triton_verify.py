@@ -102,17 +102,6 @@ def _greedy_accept_kernel(
 
 
 @triton.jit
-def _load_p(target_row_ptr, idx, mask, row_max, row_sum, temp, FROM_LOGITS: tl.constexpr):
-    """Target probabilities p at ``idx`` of one row (0 where masked), float32."""
-    if FROM_LOGITS:
-        x = tl.load(target_row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32) / temp
-        p = tl.exp(x - row_max) / row_sum
-    else:
-        p = tl.load(target_row_ptr + idx, mask=mask, other=0.0).to(tl.float32)
-    return tl.where(mask, p, 0.0)
-
-
-@triton.jit
 def _stochastic_accept_kernel(
     target_ptr,  # [num_tokens, vocab_size] probabilities p, or raw logits when FROM_LOGITS
     stride_target,
@@ -178,7 +167,12 @@ def _stochastic_accept_kernel(
     for v0 in range(0, vocab_size, BLOCK_V):
         idx = v0 + offs
         mask = idx < vocab_size
-        p = _load_p(f_base, idx, mask, f_max, f_sum, temp, FROM_LOGITS)
+        if FROM_LOGITS:  # p from the logits and the row's softmax statistics (no helper call:
+            # nested jit calls are slow in the interpreter)
+            x = tl.load(f_base + idx, mask=mask, other=float("-inf")).to(tl.float32) / temp
+            p = tl.where(mask, tl.exp(x - f_max) / f_sum, 0.0)
+        else:
+            p = tl.load(f_base + idx, mask=mask, other=0.0).to(tl.float32)
         if HAS_DRAFT_PROBS:
             q = tl.load(q_base + idx, mask=idx < q_len, other=0.0).to(tl.float32)
         else:
@@ -195,7 +189,11 @@ def _stochastic_accept_kernel(
     for v0 in range(0, vocab_size, BLOCK_V):
         idx = v0 + offs
         mask = idx < vocab_size
-        p = _load_p(f_base, idx, mask, f_max, f_sum, temp, FROM_LOGITS)
+        if FROM_LOGITS:
+            x = tl.load(f_base + idx, mask=mask, other=float("-inf")).to(tl.float32) / temp
+            p = tl.where(mask, tl.exp(x - f_max) / f_sum, 0.0)
+        else:
+            p = tl.load(f_base + idx, mask=mask, other=0.0).to(tl.float32)
         if HAS_DRAFT_PROBS:
             q = tl.load(q_base + idx, mask=idx < q_len, other=0.0).to(tl.float32)
         else:
