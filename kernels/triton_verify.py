@@ -134,10 +134,10 @@ def _stochastic_accept_kernel(
     temp = 1.0
     if FROM_LOGITS:
         temp = tl.load(temperature_ptr + req).to(tl.float32)
-        x = tl.load(target_ptr + t_rows * stride_target + drafted, mask=drafted_mask, other=0.0)
+        x_tok = tl.load(target_ptr + t_rows * stride_target + drafted, mask=drafted_mask, other=0.0)
         r_max = tl.load(stats_ptr + t_rows * 2, mask=drafted_mask, other=0.0)
         r_sum = tl.load(stats_ptr + t_rows * 2 + 1, mask=drafted_mask, other=1.0)
-        p_tok = tl.exp(x.to(tl.float32) / temp - r_max) / r_sum
+        p_tok = tl.exp(x_tok.to(tl.float32) / temp - r_max) / r_sum
     else:
         p_tok = tl.load(target_ptr + t_rows * stride_target + drafted, mask=drafted_mask, other=0.0)
     if HAS_DRAFT_PROBS:
