@@ -168,7 +168,8 @@ def test_stochastic_edge_cases():
         _assert_same(verifier.verify_stochastic(p2, *args), kv.stochastic_verify(p2, *args, block_size=BLOCK))
 
 
-def test_stochastic_top_k_top_p_falls_back_to_torch_probs():
+def test_stochastic_top_k_top_p_falls_back_to_torch_probs(monkeypatch):
+    monkeypatch.setenv("ADAPTSPEC_VERIFIER", "torch")  # the reference side below
     batch = make_batch(RAGGED, 100, seed=5, device=DEVICE)
     num_reqs = len(RAGGED)
     top_k = torch.tensor([0, 5, 20, 0, 3, 0, 10, 1], device=DEVICE)
@@ -176,7 +177,7 @@ def test_stochastic_top_k_top_p_falls_back_to_torch_probs():
     args = (batch.draft_token_ids, batch.draft_probs, batch.num_draft_tokens, batch.uniform_accept,
             batch.uniform_sample)
     ref = verifier.verify_stochastic_from_logits_dispatch(batch.target_logits, batch.temperature, top_k, top_p,
-                                                          *args)  # torch backend (no CUDA / env default)
+                                                          *args)
     got = kv.stochastic_verify_from_logits(batch.target_logits, batch.temperature, *args, top_k=top_k,
                                            top_p=top_p, block_size=BLOCK)
     _assert_same(ref, got)
@@ -215,3 +216,28 @@ def test_dispatch_routes_to_the_kernels(monkeypatch):
     for ref, got in zip(results["torch"], results["triton"]):
         assert isinstance(got, verifier.VerifyResult)
         _assert_same(ref, (got.output_token_ids, got.num_accepted))
+
+
+def test_per_request_seeds_make_a_request_independent_of_its_batch():
+    # the engine draws each request's uniforms from its own torch.Generator; the kernels hold
+    # no random state, so a request's output depends only on its own seed and rows
+    ks, seeds = [2, 4, 1], [11, 22, 33]
+    batch = make_batch(ks, 100, seed=4, device=DEVICE)
+
+    def uniforms(indices):
+        ua, us = [], []
+        for i in indices:
+            g = torch.Generator().manual_seed(seeds[i])
+            ua.append(torch.rand(ks[i], generator=g))
+            us.append(torch.rand(1, generator=g))
+        return torch.cat(ua).to(DEVICE), torch.cat(us).to(DEVICE)
+
+    ua, us = uniforms([0, 1, 2])
+    full = kv.stochastic_verify_from_logits(batch.target_logits, batch.temperature, batch.draft_token_ids,
+                                            batch.draft_probs, batch.num_draft_tokens, ua, us, block_size=BLOCK)
+    # request 1 alone: its target rows 3..7, draft rows 2..5
+    ua1, us1 = uniforms([1])
+    alone = kv.stochastic_verify_from_logits(batch.target_logits[3:8], batch.temperature[1:2],
+                                             batch.draft_token_ids[2:6], batch.draft_probs[2:6],
+                                             batch.num_draft_tokens[1:2], ua1, us1, block_size=BLOCK)
+    assert torch.equal(alone[0][0], full[0][1]) and alone[1].item() == full[1][1].item()
