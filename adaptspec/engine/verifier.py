@@ -150,12 +150,15 @@ def verify_greedy_dispatch(
     target_logits: torch.Tensor,  # [num_tokens, vocab_size]
     draft_token_ids: torch.Tensor,  # [num_draft_tokens_total] int64
     num_draft_tokens: torch.Tensor,  # [num_reqs] int64
+    *,
+    max_num_draft_tokens: int | None = None,  # host-known max k: saves the kernels' one sync
 ) -> VerifyResult:
     if select_backend(target_logits.device) == "torch":
         return verify_greedy(target_logits, draft_token_ids, num_draft_tokens)
     from adaptspec_kernels.verify import greedy_verify
 
-    return VerifyResult(*greedy_verify(target_logits, draft_token_ids, num_draft_tokens))
+    return VerifyResult(*greedy_verify(target_logits, draft_token_ids, num_draft_tokens,
+                                       max_num_draft_tokens=max_num_draft_tokens))
 
 
 def verify_stochastic_dispatch(
@@ -165,13 +168,15 @@ def verify_stochastic_dispatch(
     num_draft_tokens: torch.Tensor,  # [num_reqs] int64
     uniform_accept: torch.Tensor,  # [num_draft_tokens_total] in [0, 1)
     uniform_sample: torch.Tensor,  # [num_reqs] in [0, 1)
+    *,
+    max_num_draft_tokens: int | None = None,  # host-known max k: saves the kernels' one sync
 ) -> VerifyResult:
     args = (target_probs, draft_token_ids, draft_probs, num_draft_tokens, uniform_accept, uniform_sample)
     if select_backend(target_probs.device) == "torch":
         return verify_stochastic(*args)
     from adaptspec_kernels.verify import stochastic_verify
 
-    return VerifyResult(*stochastic_verify(*args))
+    return VerifyResult(*stochastic_verify(*args, max_num_draft_tokens=max_num_draft_tokens))
 
 
 def verify_stochastic_from_logits_dispatch(
@@ -184,6 +189,8 @@ def verify_stochastic_from_logits_dispatch(
     num_draft_tokens: torch.Tensor,  # [num_reqs] int64
     uniform_accept: torch.Tensor,  # [num_draft_tokens_total] in [0, 1)
     uniform_sample: torch.Tensor,  # [num_reqs] in [0, 1)
+    *,
+    max_num_draft_tokens: int | None = None,  # host-known max k: saves the kernels' one sync
 ) -> VerifyResult:
     """Per-request temperature/top-k/top-p applied to the target logits, then verified; the
     Triton path fuses the temperature softmax (top-k/top-p still go through torch)."""
@@ -192,7 +199,8 @@ def verify_stochastic_from_logits_dispatch(
 
         return VerifyResult(*stochastic_verify_from_logits(
             target_logits, temperature, draft_token_ids, draft_probs, num_draft_tokens,
-            uniform_accept, uniform_sample, top_k=top_k, top_p=top_p))
+            uniform_accept, uniform_sample, top_k=top_k, top_p=top_p,
+            max_num_draft_tokens=max_num_draft_tokens))
     from adaptspec.engine.sampling import logits_to_probs
 
     dev, num_reqs = target_logits.device, num_draft_tokens.numel()

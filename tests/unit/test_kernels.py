@@ -114,9 +114,9 @@ def test_stochastic_equals_reference_given_same_uniforms(vocab, one_hot):
 
 
 def test_stochastic_many_seeds_mixed_outcomes():
-    # 40 batches: accepted lengths cover 0..k, recovered and bonus tokens both occur
+    # 16 batches: accepted lengths cover 0..k, recovered and bonus tokens both occur
     seen = set()
-    for seed in range(40):
+    for seed in range(16):
         batch = make_batch([3, 0, 2, 5], 37, seed=seed, device=DEVICE, draft_noise=0.8)
         args = (batch.draft_token_ids, batch.draft_probs, batch.num_draft_tokens,
                 batch.uniform_accept, batch.uniform_sample)
@@ -208,7 +208,7 @@ def test_dispatch_routes_to_the_kernels(monkeypatch):
     for backend in ("torch", "triton"):
         monkeypatch.setenv("ADAPTSPEC_VERIFIER", backend)
         results[backend] = (
-            verifier.verify_greedy_dispatch(batch.target_logits, drafts, n),
+            verifier.verify_greedy_dispatch(batch.target_logits, drafts, n, max_num_draft_tokens=max(RAGGED)),
             verifier.verify_stochastic_dispatch(probs, *sargs),
             verifier.verify_stochastic_from_logits_dispatch(batch.target_logits, batch.temperature, None, None,
                                                             *sargs),
