@@ -1,0 +1,231 @@
+"""`adaptspec bench`: our plain and speculative decoding against transformers, per class.
+
+For each dtype and batch size, per request class of the shipped prompt set, it measures
+tokens/s of: our plain decoding; transformers ``generate``; transformers assisted
+generation with the same draft and with prompt lookup (batch 1 only: transformers'
+assisted generation does not batch); our engine with the ``ngram`` and ``draft`` drafters
+for each k. For our drafters it reports the acceptance rate a, the mean accepted length,
+the measured cost ratio c (draft time per drafted position / plain target step time), the
+analytic bound (1 - a^(k+1)) / ((1 - a)(k c + 1)) and efficiency = speedup / bound.
+"""
+from __future__ import annotations
+
+import json
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+
+import torch
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+from adaptspec.engine.stats import StepStats
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    target: str = "smollm2-135m"
+    draft: str | None = None
+    dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
+    batches: list[int] = field(default_factory=lambda: [1, 8])
+    ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    classes: list[str] = field(default_factory=list)
+    max_new_tokens: int = 48
+    prompts_per_class: int = 8
+    hf: bool = True
+    device: str = "cpu"
+
+
+@dataclass(slots=True)
+class BenchRow:
+    dtype: str
+    batch: int
+    request_class: str
+    method: str  # ours-plain | ours-ngram | ours-draft | hf-plain | hf-assisted | hf-lookup
+    k: int
+    tokens: int
+    wall_s: float
+    tok_s: float
+    speedup: float = 1.0  # over ours-plain, same dtype/batch/class
+    acceptance: float | None = None
+    mean_accepted_length: float | None = None
+    cost_ratio: float | None = None
+    bound: float | None = None
+    efficiency: float | None = None
+    same_tokens: bool | None = None  # greedy output equals ours-plain
+
+
+def load_prompts() -> dict[str, list[str]]:
+    return json.loads(resources.files("adaptspec").joinpath("data/bench_prompts.json").read_text())
+
+
+def analytic_bound(a: float, k: int, c: float) -> float:
+    """Expected speedup of k candidates at acceptance a and cost ratio c (Leviathan et al.)."""
+    tokens = k + 1 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
+    return tokens / (k * c + 1)
+
+
+class _StepLog:
+    def __init__(self):
+        self.steps: list[StepStats] = []
+
+    def __call__(self, st: StepStats) -> None:
+        self.steps.append(st)
+
+    def decode_steps(self) -> list[StepStats]:
+        return [s for s in self.steps if s.num_prefill == 0 and s.batch_size > 0]
+
+
+def run_bench(cfg: BenchConfig, json_path: str | None = None) -> list[BenchRow]:
+    from adaptspec import Engine
+    from adaptspec.models.registry import DEFAULT_DRAFT
+
+    con = Console()
+    prompts = load_prompts()
+    classes = cfg.classes or list(prompts)
+    for c in classes:
+        if c not in prompts:
+            raise ValueError(f"classes: unknown class {c!r} (have {sorted(prompts)})")
+    draft = cfg.draft or DEFAULT_DRAFT
+    rows: list[BenchRow] = []
+    n_cfg = len(cfg.dtypes) * len(cfg.batches) * len(classes) * (1 + 2 * len(cfg.ks))
+    with Progress(console=con, transient=True) as prog:
+        task = prog.add_task("bench", total=n_cfg)
+        for dtype in cfg.dtypes:
+            engine = Engine.from_pretrained(cfg.target, draft=draft, dtype=dtype, device=cfg.device,
+                                            max_num_seqs=max(cfg.batches))
+            hf = _HF(engine, draft, dtype, cfg.device) if cfg.hf else None
+            log = _StepLog()
+            engine.step_listeners.append(log)
+            engine.generate(["warm up"], _params(8))
+            for batch in cfg.batches:
+                for cls in classes:
+                    ps = prompts[cls][:cfg.prompts_per_class]
+                    prog.update(task, description=f"{dtype} batch {batch} {cls}")
+                    rows += _bench_class(engine, hf, log, ps, cfg, dtype, batch, cls, prog, task)
+            engine.step_listeners.remove(log)
+    _print(con, rows)
+    if json_path:
+        meta = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
+                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"), "config": asdict(cfg)}
+        with open(json_path, "w") as f:
+            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        con.print(f"wrote {json_path}")
+    return rows
+
+
+def _params(n):
+    from adaptspec import SamplingParams
+
+    return SamplingParams(max_new_tokens=n)
+
+
+def _bench_class(engine, hf, log, ps, cfg, dtype, batch, cls, prog, task) -> list[BenchRow]:
+    from adaptspec import SpecConfig
+
+    params = _params(cfg.max_new_tokens)
+    chunks = [ps[i:i + batch] for i in range(0, len(ps), batch)]
+
+    def ours(spec):
+        log.steps.clear()
+        t = time.perf_counter()
+        outs = [o for ch in chunks for o in engine.generate(ch, params, spec)]
+        return outs, time.perf_counter() - t
+
+    plain_outs, wall = ours(SpecConfig())
+    plain_tokens = [o.token_ids for o in plain_outs]
+    n_tok = sum(len(t) for t in plain_tokens)
+    dec = log.decode_steps()
+    t_plain_step = sum(s.wall_s for s in dec) / max(len(dec), 1)
+    base = BenchRow(dtype, batch, cls, "ours-plain", 0, n_tok, wall, n_tok / wall)
+    rows = [base]
+    prog.advance(task)
+    for drafter in ("ngram", "draft"):
+        for k in cfg.ks:
+            outs, wall = ours(SpecConfig(drafter, k))
+            tok = sum(len(o.token_ids) for o in outs)
+            drafted = sum(o.stats.drafted for o in outs)
+            a = sum(o.stats.accepted for o in outs) / max(drafted, 1)
+            steps = sum(o.stats.steps for o in outs)
+            dec = log.decode_steps()
+            passes = sum(max((r.drafted for r in s.requests), default=0) if drafter == "draft" else 1 for s in dec)
+            c = (sum(s.draft_s for s in dec) / max(passes, 1)) / max(t_plain_step, 1e-9)
+            bound = analytic_bound(a, k, c)
+            speed = (tok / wall) / base.tok_s
+            rows.append(BenchRow(dtype, batch, cls, f"ours-{drafter}", k, tok, wall, tok / wall, speed, a,
+                                 sum(o.stats.emitted for o in outs) / max(steps, 1), c, bound, speed / bound,
+                                 [o.token_ids for o in outs] == plain_tokens))
+            prog.advance(task)
+    if hf is not None:
+        rows += hf.run(chunks, cfg, dtype, batch, cls, base, plain_tokens)
+    return rows
+
+
+class _HF:
+    """transformers baselines over the same folders, tokens and dtype."""
+
+    def __init__(self, engine, draft: str, dtype: str, device: str):
+        from transformers import AutoModelForCausalLM
+
+        from adaptspec.models.loader import parse_dtype
+        from adaptspec.models.registry import resolve
+
+        dt = parse_dtype(dtype)
+        self.engine = engine
+        self.target = AutoModelForCausalLM.from_pretrained(engine.target.path, dtype=dt).to(device).eval()
+        self.draft = AutoModelForCausalLM.from_pretrained(resolve(draft, quiet=True), dtype=dt).to(device).eval()
+        self.device = device
+        self.eos = engine.tokenizer.eos_token_id
+
+    def _generate(self, chunk, n, **kw):
+        ids = [self.engine.encode(p) for p in chunk]
+        width = max(len(x) for x in ids)
+        inp = torch.full((len(ids), width), self.eos, dtype=torch.long)
+        mask = torch.zeros_like(inp)
+        for r, x in enumerate(ids):  # left padding
+            inp[r, width - len(x):] = torch.tensor(x)
+            mask[r, width - len(x):] = 1
+        with torch.inference_mode():
+            out = self.target.generate(inp.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=n,
+                                       do_sample=False, pad_token_id=self.eos, **kw)
+        res = []
+        for row in out[:, width:].tolist():
+            res.append(row[:row.index(self.eos) + 1] if self.eos in row else row)
+        return res
+
+    def run(self, chunks, cfg, dtype, batch, cls, base, plain_tokens) -> list[BenchRow]:
+        variants = [("hf-plain", 0, {})]
+        if batch == 1:  # transformers' assisted generation runs at batch 1 only
+            variants.append(("hf-assisted", 0, {"assistant_model": self.draft}))
+            variants += [("hf-lookup", k, {"prompt_lookup_num_tokens": k}) for k in cfg.ks]
+        rows = []
+        for name, k, kw in variants:
+            t = time.perf_counter()
+            toks = [o for ch in chunks for o in self._generate(ch, cfg.max_new_tokens, **kw)]
+            wall = time.perf_counter() - t
+            n = sum(len(x) for x in toks)
+            rows.append(BenchRow(dtype, batch, cls, name, k, n, wall, n / wall, (n / wall) / base.tok_s,
+                                 same_tokens=toks == plain_tokens))
+        return rows
+
+
+def _fmt(x, spec=".2f"):
+    return "-" if x is None else format(x, spec)
+
+
+def _print(con: Console, rows: list[BenchRow]) -> None:
+    keys = sorted({(r.dtype, r.batch) for r in rows}, key=lambda t: (t[0], t[1]))
+    for dtype, batch in keys:
+        table = Table(title=f"{dtype}, batch {batch}")
+        for col in ("class", "method", "k", "tok/s", "speedup", "a", "acc.len", "c", "bound", "eff.", "exact"):
+            table.add_column(col, justify="right" if col not in ("class", "method") else "left")
+        for r in rows:
+            if (r.dtype, r.batch) != (dtype, batch):
+                continue
+            table.add_row(r.request_class, r.method, str(r.k) if r.k else "-", f"{r.tok_s:.1f}", f"{r.speedup:.2f}x",
+                          _fmt(r.acceptance), _fmt(r.mean_accepted_length), _fmt(r.cost_ratio, ".3f"),
+                          _fmt(r.bound), _fmt(r.efficiency), "-" if r.same_tokens is None else
+                          ("yes" if r.same_tokens else "no"))
+        con.print(table)
