@@ -9,6 +9,7 @@ PIP := $(PY) -m pip
 # instead of resolving a multi-GB CUDA build; pyproject accepts any torch in range.
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.adaptspec-installed
+TEST_STAMP := $(VENV)/.adaptspec-test-installed
 
 .PHONY: run test install protos bench clean-venv
 
@@ -18,15 +19,20 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) show torch >/dev/null 2>&1 || $(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[test]"
+	$(PIP) install -q -e .
 	touch $(STAMP)
+
+# tests add pytest/scipy and Triton (about 1 GB; its kernels are tested on the CPU interpreter)
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install -q -e ".[test,triton]"
+	touch $(TEST_STAMP)
 
 install: $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/adaptspec demo
 
-test: $(STAMP)
+test: $(TEST_STAMP)
 	$(VENV)/bin/adaptspec models pull smollm2-135m
 	$(PY) -m pytest -q tests
 
