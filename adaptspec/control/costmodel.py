@@ -134,6 +134,8 @@ class OnlineStepCost:
     _ys: np.ndarray = field(init=False, default=None)
     _ctx_coef: float = field(init=False, default=0.0)
     _dl: list = field(init=False, default=None)
+    _fwd: dict = field(init=False, default_factory=dict)
+    _fwd_keep: list = field(init=False, default_factory=list)  # keeps cached arrays' ids valid
 
     def __post_init__(self) -> None:
         dv = 3 + len(VERIFY_KNOTS)
@@ -168,7 +170,8 @@ class OnlineStepCost:
         self._other_w = g * self._other_w + 1.0
         self.other_s += (step.other_s - self.other_s) / self._other_w
         self.steps += 1
-        self._stale = True
+        if self.steps % 4 == 0 or self.steps < 32:  # refit every 4 steps once warm
+            self._stale = True
 
     def _refresh(self) -> None:
         """Turn the fitted coefficients into an interpolation table (cheap to evaluate)."""
@@ -182,14 +185,17 @@ class OnlineStepCost:
         if self._stale:
             self._refresh()
         d0, d1, d2, d3 = self._dl
-        t = np.interp(verify_tokens, self._xs, self._ys)
-        t += self._ctx_coef * context_tokens + self.other_s
-        np.maximum(t, 1e-6, out=t)
-        other_fwd = float(np.count_nonzero(draft_other))
+        other_fwd = int(np.count_nonzero(draft_other))
+        key = (id(k_draft), other_fwd)
+        forwards = self._fwd.get(key)
+        if forwards is None:  # draft forwards per candidate: its k or the others' deepest
+            forwards = self._fwd[key] = np.maximum(k_draft, other_fwd).astype(float)
+            self._fwd_keep.append(k_draft)
         per_token = (d1 + d2 * mean_context * _TOK) * _TOK
-        td = np.maximum(k_draft, other_fwd) * d0 if n_class > 0 else np.full(k_draft.shape, d0 * other_fwd)
-        td += per_token * (float(draft_other.sum()) + n_class * k_draft)
-        td += (d3 * _TOK) * ngram_requests
-        np.maximum(td, 0.0, out=td)
-        t += td
-        return t
+        const = self._ctx_coef * context_tokens + self.other_s + per_token * float(draft_other.sum())
+        t = np.interp(verify_tokens, self._xs, self._ys)
+        t += d0 * forwards
+        t += (per_token * n_class) * k_draft
+        t += (d3 * _TOK) * ngram_requests
+        t += const
+        return np.maximum(t, 1e-6, out=t)

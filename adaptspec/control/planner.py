@@ -101,6 +101,9 @@ class BatchPicture:
             slot.emitted_per_request += s * (emi / tot - slot.emitted_per_request)
 
 
+REFRESH_STEPS = 4  # the batch mix changes slowly: recompute it every few observed steps
+
+
 @dataclass(slots=True)
 class _Mix:
     """The rest of the batch as seen by one class, per request of the others."""
@@ -122,7 +125,7 @@ class Planner:
     _version: int = -1
 
     def _mix(self, request_class: str, picture: BatchPicture, others_length: dict[str, float]) -> _Mix:
-        if picture.version != self._version:
+        if picture.version - self._version >= REFRESH_STEPS or picture.version < self._version:
             self._mixes.clear()
             self._version = picture.version
         mix = self._mixes.get(request_class)
@@ -182,17 +185,14 @@ class Planner:
         budget = mix.budget
         tgt = self.targets.get(request_class)
         if tgt is not None and tgt.tpot_s is not None:
-            tpot = T / L
-            feasible = tpot <= self.margin * tgt.tpot_s
+            limit = L * (self.margin * tgt.tpot_s)  # step time that keeps this class's TPOT in target
             if budget < np.inf:
-                feasible &= T <= budget
-            if not feasible.any():
-                return int(np.argmax(goodput))  # the target is out of reach this step: throughput
+                np.minimum(limit, budget, out=limit)
         elif budget < np.inf:
-            feasible = T <= budget
-            if not feasible.any():
-                return int(np.argmax(goodput))
+            limit = budget
         else:
             return int(np.argmax(goodput))
-        goodput[~feasible] = -np.inf
-        return int(np.argmax(goodput))
+        masked = np.where(T <= limit, goodput, -np.inf)
+        i = int(np.argmax(masked))
+        # nothing feasible: the target is out of reach this step, so take the best throughput
+        return i if masked[i] > -np.inf else int(np.argmax(goodput))

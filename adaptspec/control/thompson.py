@@ -50,6 +50,7 @@ class ModelBasedThompson(Policy):
         self._drafters = [d for d in self.config.drafters if d != "none"]
         self._row = {d: i for i, d in enumerate(self._drafters)}
         self._moments: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._observed = 0
         self._mean_curves: dict[str, np.ndarray] = {}  # posterior-mean lengths, per observed step
         self._others: dict[str, float] = {}
         self._others_version = -(10**9)
@@ -100,8 +101,10 @@ class ModelBasedThompson(Policy):
         return float(curve[self.table.index(arm)])
 
     def _observe(self, outcome: StepOutcome) -> None:
-        self._mean_curves.clear()
-        self._moments.clear()
+        self._observed += 1
+        if self._observed % 4 == 0:  # posterior moments move slowly: refresh every 4 steps
+            self._mean_curves.clear()
+            self._moments.clear()
         for g in outcome.groups:
             if g.arm.k > 0 and g.arm.drafter in self._row:
                 self._posterior(g.request_class).update(g.accepted_hist, self._row[g.arm.drafter])
