@@ -39,5 +39,8 @@ test: $(TEST_STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/adaptspec bench
 
+protos: $(STAMP)
+	$(PY) -m adaptspec.serve.protogen
+
 clean-venv:
 	rm -rf $(VENV)

@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (``make protos``); never edited by hand."""
