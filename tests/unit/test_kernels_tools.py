@@ -13,12 +13,9 @@ import sys
 
 import pytest
 
-from adaptspec_kernels.testing import load_kernels, triton_installed
+from adaptspec_kernels.testing import load_kernels_or_skip
 
-if not triton_installed():
-    pytest.skip("triton not installed (pip install -e '.[triton]'): kernel tests skipped",
-                allow_module_level=True)
-_, DEVICE = load_kernels()
+_, DEVICE = load_kernels_or_skip()
 
 
 def test_bench_runs_on_tiny_sizes(tmp_path, capsys):
