@@ -237,29 +237,33 @@ class Engine:
             sub_logits = logits if len(members) == len(batch) else logits.index_select(0, sel)
             draft_ids = torch.tensor([t for r in members for t in drafts[r].token_ids], dtype=torch.long, device=dev)
             num_draft = torch.tensor([n[r] for r in members], dtype=torch.long, device=dev)
+            max_k = max(n[r] for r in members)
             if greedy:
-                res = verifier.verify_greedy(sub_logits, draft_ids, num_draft)
+                res = verifier.verify_greedy_dispatch(sub_logits, draft_ids, num_draft, max_num_draft_tokens=max_k)
             else:
                 res = self._verify_stochastic([batch[r] for r in members], [drafts[r] for r in members],
-                                              sub_logits, draft_ids, num_draft)
+                                              sub_logits, draft_ids, num_draft, max_k)
             out, acc = res.output_token_ids.tolist(), res.num_accepted.tolist()  # the step's one sync
             for r, o, a in zip(members, out, acc):
                 emitted[r] = o[:a + 1]
         return emitted, hidden
 
-    def _verify_stochastic(self, seqs, drafts, logits, draft_ids, num_draft):
+    def _verify_stochastic(self, seqs, drafts, logits, draft_ids, num_draft, max_k):
+        """Temperature / top-k / top-p per request, then exact verification (Triton on CUDA)."""
         dev, vocab = self.device, logits.shape[-1]
-        reps = torch.tensor([len(d.token_ids) + 1 for d in drafts], device=dev)
-        p = logits_to_probs(logits, *self._param_tensors(seqs, reps))
         q = None
-        if any(d.probs is not None for d in drafts):
+        if any(d.probs is not None for d in drafts):  # n-gram rows inside a model-draft batch: one-hot q
             q = torch.cat([d.probs.to(dev) if d.probs is not None else
                            torch.zeros(len(d.token_ids), vocab, device=dev).scatter_(
                                1, torch.tensor(d.token_ids, device=dev)[:, None], 1.0) for d in drafts])
         u = [torch.rand(len(d.token_ids) + 1, generator=s.generator) for s, d in zip(seqs, drafts)]
         u_accept = torch.cat([x[:-1] for x in u]).to(dev)
         u_sample = torch.stack([x[-1] for x in u]).to(dev)
-        return verifier.verify_stochastic(p, draft_ids, q, num_draft, u_accept, u_sample)
+        temperature, top_k, top_p = self._param_tensors(seqs)
+        return verifier.verify_stochastic_from_logits_dispatch(
+            logits, temperature, top_k if bool((top_k > 0).any()) else None,
+            top_p if bool((top_p < 1).any()) else None, draft_ids, q, num_draft, u_accept, u_sample,
+            max_num_draft_tokens=max_k)
 
     def _param_tensors(self, seqs: list[Sequence], reps: torch.Tensor | None = None):
         dev = self.device
