@@ -28,7 +28,7 @@ DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1c\x61\x64\x61pt
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
-_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'adaptspec.v1.adaptspec_pb2', _globals)
+_builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'adaptspec.proto.adaptspec_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ARM']._serialized_start=46

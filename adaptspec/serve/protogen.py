@@ -1,7 +1,7 @@
 """Generate the Python gRPC stubs in ``adaptspec/proto`` from ``protos/`` (``make protos``).
 
-protoc names the generated import after the proto path (``adaptspec.v1``); the one import
-line is pointed at ``adaptspec.proto``, where the stubs live. The stale-stub test runs the
+protoc names the generated module after the proto path (``adaptspec.v1``); the import
+line and the module name are pointed at ``adaptspec.proto``, where the stubs live. The stale-stub test runs the
 same generation into a temporary folder and compares.
 """
 from __future__ import annotations
@@ -30,6 +30,9 @@ def generate() -> dict[str, str]:
         out = {name: (gen / name).read_text() for name in FILES}
     out["adaptspec_pb2_grpc.py"] = out["adaptspec_pb2_grpc.py"].replace(
         "from adaptspec.v1 import adaptspec_pb2", "from adaptspec.proto import adaptspec_pb2")
+    # message classes take their __module__ from this string; pickling (Ray) must import it
+    out["adaptspec_pb2.py"] = out["adaptspec_pb2.py"].replace(
+        "'adaptspec.v1.adaptspec_pb2'", "'adaptspec.proto.adaptspec_pb2'")
     return out
 
 

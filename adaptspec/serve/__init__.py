@@ -1,0 +1,9 @@
+"""The service: Ray Serve deployments around the engine and the controller, behind gRPC.
+
+Modules: ``config`` (the pydantic ServiceConfig, Serve config writer), ``app``
+(``build_app``, embedded start/stop), ``ingress`` (gRPC servicer), ``target``
+(TargetEngine replicas), ``loop`` (the engine in a background thread, Ray-free),
+``controller`` (the Controller singleton, its Ray-free core), ``faults`` (drafter
+guards), ``metrics``, ``convert`` (proto <-> internal), ``client``, ``cli``.
+Importing this package imports neither Ray nor torch.
+"""

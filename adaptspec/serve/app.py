@@ -1,0 +1,61 @@
+"""Build and run the service: ``build_app(config) -> Application``, the ``serve run``
+builder, and the embedded mode (a local Ray started in-process)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from adaptspec.serve.config import SERVICER_FUNCTION, ServiceConfig
+
+
+def build_app(config: ServiceConfig):
+    """The Serve application: Ingress -> TargetEngine replicas, with the Controller singleton."""
+    from adaptspec.serve.controller import Controller
+    from adaptspec.serve.ingress import Ingress
+    from adaptspec.serve.target import TargetEngine
+
+    args = config.model_dump(mode="json")
+    controller = Controller.bind(args)
+    target = TargetEngine.options(
+        num_replicas=config.target.num_replicas,
+        ray_actor_options={"num_cpus": config.target.num_cpus, "num_gpus": config.target.num_gpus},
+    ).bind(args, controller)
+    return Ingress.bind(args, target, controller)
+
+
+def app_builder(args: dict):
+    """``import_path`` of the written Serve config: ``args`` is a ``ServiceConfig`` mapping."""
+    return build_app(ServiceConfig.model_validate(args or {}))
+
+
+@dataclass(slots=True)
+class Running:
+    config: ServiceConfig
+    address: str  # host:port of the gRPC proxy (loopback)
+
+
+def start(config: ServiceConfig, *, num_cpus: int | None = None) -> Running:
+    """Start a local Ray (unless one is connected), Serve with the gRPC proxy, and the app."""
+    import ray
+    from ray import serve
+    from ray.serve.config import gRPCOptions
+
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False,
+                 log_to_driver=False, configure_logging=True, logging_level="WARNING")
+    serve.start(http_options={"host": config.host, "port": config.http_port},
+                grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]))
+    serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
+    return Running(config, f"127.0.0.1:{config.grpc_port}")
+
+
+def stop() -> None:
+    import ray
+    from ray import serve
+
+    try:
+        serve.shutdown()
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()

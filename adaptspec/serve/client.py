@@ -1,0 +1,70 @@
+"""A small gRPC client for the service (the CLI, loadtest, demo and tests use it)."""
+from __future__ import annotations
+
+import grpc
+
+from adaptspec.proto import adaptspec_pb2 as pb
+from adaptspec.proto import adaptspec_pb2_grpc as pb_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:9000"
+
+
+class Client:
+    """Adds the ``application`` metadata the Serve proxy routes on."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, app_name: str = "adaptspec"):
+        self.address, self.app_name = address, app_name
+        self.channel = grpc.insecure_channel(address)
+        self.stub = pb_grpc.AdaptSpecStub(self.channel)
+        self.metadata = (("application", app_name),)
+
+    def generate(self, prompt: str = "", *, timeout: float | None = None, **fields) -> pb.GenerateResponse:
+        return self.stub.Generate(request(prompt, **fields), metadata=self.metadata, timeout=timeout)
+
+    def stream(self, prompt: str = "", *, timeout: float | None = None, **fields):
+        """An iterator of GenerateChunk; ``.cancel()`` on it cancels the call."""
+        return self.stub.GenerateStream(request(prompt, **fields), metadata=self.metadata, timeout=timeout)
+
+    def stats(self, timeout: float | None = 10) -> pb.GetStatsResponse:
+        return self.stub.GetStats(pb.GetStatsRequest(), metadata=self.metadata, timeout=timeout)
+
+    def policy(self, timeout: float | None = 10) -> pb.PolicyState:
+        return self.stub.GetPolicy(pb.GetPolicyRequest(), metadata=self.metadata, timeout=timeout)
+
+    def update_policy(self, policy: str = "", pins: dict[str, tuple[str, int]] | None = None,
+                      unpin: list[str] | None = None, timeout: float | None = 10) -> pb.PolicyState:
+        req = pb.UpdatePolicyRequest(policy=policy, unpin=unpin or [],
+                                     pin=[pb.Pin(request_class=c, arm=pb.Arm(drafter=d, k=k))
+                                          for c, (d, k) in (pins or {}).items()])
+        return self.stub.UpdatePolicy(req, metadata=self.metadata, timeout=timeout)
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        grpc.channel_ready_future(self.channel).result(timeout=timeout)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def request(prompt: str = "", *, prompt_token_ids=None, request_class: str = "", max_tokens: int | None = None,
+            temperature: float | None = None, top_p: float | None = None, top_k: int = 0, seed: int | None = None,
+            stop=None, raw: bool = False, speculation: tuple[str, int] | None = None,
+            ignore_eos: bool = False) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(prompt=prompt, prompt_token_ids=list(prompt_token_ids or []), raw=raw,
+                             request_class=request_class, top_k=top_k, stop=list(stop or []), ignore_eos=ignore_eos)
+    if max_tokens is not None:
+        req.max_tokens = max_tokens
+    if temperature is not None:
+        req.temperature = temperature
+    if top_p is not None:
+        req.top_p = top_p
+    if seed is not None:
+        req.seed = seed
+    if speculation is not None:
+        req.speculation.CopyFrom(pb.Arm(drafter=speculation[0], k=speculation[1]))
+    return req

@@ -1,0 +1,175 @@
+"""The service configuration: one pydantic model, loadable from YAML.
+
+``ServiceConfig`` is everything an operator writes; ``build_app(config)`` (``app.py``)
+turns it into a Ray Serve application and ``serve_config(config)`` into the Ray Serve
+config file that ``serve run`` / ``serve deploy`` / a KubeRay RayService accept. Unknown
+keys are refused (``extra="forbid"``) so a typo fails loudly instead of being ignored.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_K = 16
+POLICIES = ("thompson", "ucb", "ema", "heuristic", "static")
+APP_IMPORT_PATH = "adaptspec.serve.app:app_builder"
+SERVICER_FUNCTION = "adaptspec.proto.adaptspec_pb2_grpc.add_AdaptSpecServicer_to_server"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelsConfig(_Strict):
+    target: str = Field("smollm2-135m", description="target model: alias, folder, .gguf or hub id")
+    draft: str | None = Field("smollm2-135m-first4",
+                              description="draft model sharing the target's tokenizer; null: n-gram only")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and compute dtype")
+    device: str = Field("cpu", description="torch device of the target replica, e.g. cpu or cuda")
+
+
+class EngineOptions(_Strict):
+    max_num_seqs: int = Field(16, ge=1, le=1024, description="KV slots: requests decoded together per replica")
+    max_model_len: int = Field(2048, ge=64, description="prompt + output tokens per request")
+    max_queued: int = Field(64, ge=0, description="requests waiting for a KV slot per replica before "
+                                                  "RESOURCE_EXHAUSTED")
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; null: num_cpus of the replica")
+
+
+class TargetDeployment(_Strict):
+    num_replicas: int = Field(1, ge=1, description="TargetEngine replicas")
+    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per TargetEngine replica")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per TargetEngine replica")
+
+
+class DrafterDeployment(_Strict):
+    num_cpus: float = Field(1.0, ge=0, description="CPUs per Drafter replica (disaggregated placement)")
+    num_gpus: float = Field(0.0, ge=0, description="GPUs per Drafter replica (disaggregated placement)")
+
+
+class ArmConfig(_Strict):
+    drafter: Literal["none", "ngram", "draft"] = Field(description="which drafter proposes")
+    k: int = Field(ge=0, le=MAX_K, description="candidates per step; 0 means no drafting")
+
+    @model_validator(mode="after")
+    def _none_has_k0(self) -> "ArmConfig":
+        if (self.drafter == "none") != (self.k == 0):
+            raise ValueError(f"k: drafter {self.drafter!r} with k={self.k}; 'none' goes with k=0 and only with it")
+        return self
+
+
+class ClassConfig(_Strict):
+    name: str = Field(description="request class label clients send")
+    tpot_s: float | None = Field(None, gt=0, description="time-per-output-token target (s); null: throughput class")
+    ttft_s: float | None = Field(None, gt=0, description="time-to-first-token target (s)")
+    pin: ArmConfig | None = Field(None, description="always use this arm for the class (operators can unpin)")
+
+
+class ControllerOptions(_Strict):
+    policy: str = Field("thompson", description="thompson | ucb | ema | heuristic | static:<drafter>:<k>")
+    max_k: int = Field(8, ge=1, le=MAX_K, description="largest k the policy may choose")
+    report_interval_s: float = Field(0.25, gt=0, le=10,
+                                     description="how often replicas send step stats and get a policy snapshot")
+    seed: int = Field(0, description="policy random seed")
+
+    @field_validator("policy")
+    @classmethod
+    def _known_policy(cls, v: str) -> str:
+        if v.split(":", 1)[0] not in POLICIES:
+            raise ValueError(f"policy: {v!r} is not one of {POLICIES} (static as static:<drafter>:<k>)")
+        return v
+
+
+class FaultInjection(_Strict):
+    """For tests and chaos drills: make a drafter raise."""
+
+    drafter: Literal["ngram", "draft"] = Field("ngram", description="the drafter that fails")
+    after_calls: int = Field(0, ge=0, description="calls that succeed before failures start")
+    every: int = Field(1, ge=1, description="then fail every n-th call (1: always)")
+
+
+class ServiceConfig(_Strict):
+    """The whole service: models, engine, deployments, controller, classes, network."""
+
+    app_name: str = Field("adaptspec", description="Serve application name; gRPC clients send it as the "
+                                                   "`application` metadata key")
+    host: str = Field("0.0.0.0", description="proxy bind address (HTTP; gRPC binds all interfaces)")
+    grpc_port: int = Field(9000, ge=1, le=65535, description="Serve gRPC proxy port")
+    http_port: int = Field(8000, ge=1, le=65535, description="Serve HTTP proxy port (health, ListApplications)")
+    placement: Literal["colocated", "disaggregated"] = Field(
+        "colocated", description="draft model in the target's replica, or in separate Drafter replicas")
+    models: ModelsConfig = Field(default_factory=ModelsConfig, description="target and draft models")
+    engine: EngineOptions = Field(default_factory=EngineOptions, description="per-replica engine limits")
+    target: TargetDeployment = Field(default_factory=TargetDeployment, description="TargetEngine replicas")
+    drafter: DrafterDeployment = Field(default_factory=DrafterDeployment, description="Drafter replicas")
+    controller: ControllerOptions = Field(default_factory=ControllerOptions, description="speculation controller")
+    classes: list[ClassConfig] = Field(
+        default_factory=lambda: [ClassConfig(name="chat"), ClassConfig(name="code_edit"),
+                                 ClassConfig(name="extraction"), ClassConfig(name="default")],
+        description="known request classes")
+    strict_classes: bool = Field(False, description="refuse unknown classes (INVALID_ARGUMENT) instead of "
+                                                    "mapping them to `default`")
+    default_max_tokens: int = Field(128, ge=1, description="max_tokens when the request leaves it unset")
+    max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
+    faults: FaultInjection | None = Field(None, description="inject drafter faults (tests, chaos drills)")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ServiceConfig":
+        names = [c.name for c in self.classes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"classes: duplicate names in {names}")
+        if "default" not in names:
+            self.classes.append(ClassConfig(name="default"))
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError(f"default_max_tokens: {self.default_max_tokens} exceeds max_tokens_limit "
+                             f"{self.max_tokens_limit}")
+        if self.placement == "disaggregated" and not self.models.draft:
+            raise ValueError("placement: disaggregated needs models.draft")
+        return self
+
+    @property
+    def class_names(self) -> list[str]:
+        return [c.name for c in self.classes]
+
+    @property
+    def drafters(self) -> tuple[str, ...]:
+        """Drafters the replicas will have."""
+        return ("ngram", "draft") if self.models.draft else ("ngram",)
+
+
+def load_config(path: str | Path | None) -> ServiceConfig:
+    """Read a YAML service config (None: the embedded default)."""
+    if path is None:
+        return ServiceConfig()
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: the config must be a mapping")
+    return ServiceConfig.model_validate(data)
+
+
+def serve_config(config: ServiceConfig) -> dict:
+    """The Ray Serve config (``ServeDeploySchema`` shape) that deploys this service."""
+    return {
+        "proxy_location": "EveryNode",
+        "http_options": {"host": config.host, "port": config.http_port},
+        "grpc_options": {"port": config.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]},
+        "applications": [{
+            "name": config.app_name,
+            "route_prefix": f"/{config.app_name}",
+            "import_path": APP_IMPORT_PATH,
+            "args": config.model_dump(mode="json"),
+        }],
+    }
+
+
+def write_serve_config(config: ServiceConfig, path: str | Path) -> Path:
+    import yaml
+
+    path = Path(path)
+    path.write_text("# Ray Serve config for AdaptSpec: `serve run` or `serve deploy` this file.\n"
+                    + yaml.safe_dump(serve_config(config), sort_keys=False))
+    return path

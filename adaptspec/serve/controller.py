@@ -1,0 +1,201 @@
+"""The Controller: a singleton that aggregates live stats from every target replica, runs
+the policy and answers each report with a fresh ``PolicySnapshot``.
+
+``ControlCore`` is Ray-free (and engine-free): the deployment is a thin async shell, so
+calls are serialised on its event loop.
+"""
+from __future__ import annotations
+
+import collections
+import time
+from dataclasses import dataclass, field
+
+from ray import serve
+
+from adaptspec.control import NO_SPEC, Arm, ClassTarget, Load
+from adaptspec.serve.config import ServiceConfig
+from adaptspec.serve.policies import AVAILABLE, make_policy
+from adaptspec.serve.types import ClassDelta, PolicySnapshot, ReplicaReport, ReplicaState
+
+GOODPUT_WINDOW_S = 10.0
+
+
+@dataclass(slots=True)
+class ClassView:
+    request_class: str
+    requests: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    emitted: int = 0
+    steps: int = 0
+    current_arm: str = "none"
+    goodput_tokens_per_s: float = 0.0
+    pinned: bool = False
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.emitted / self.steps if self.steps else 0.0
+
+
+@dataclass(slots=True)
+class StatsView:
+    classes: list[ClassView]
+    replicas: list[ReplicaState]
+    policy: str
+    version: int
+    uptime_s: float
+
+
+@dataclass(slots=True)
+class PolicyView:
+    policy: str
+    classes: list[tuple[str, str, bool]]  # (class, arm, pinned)
+    version: int
+    drafters: tuple[str, ...]
+    max_k: int
+    available: tuple[str, ...] = AVAILABLE
+
+
+@dataclass(slots=True)
+class PolicyUpdate:
+    policy: str = ""  # empty: keep
+    pins: list[tuple[str, Arm]] = field(default_factory=list)
+    unpins: list[str] = field(default_factory=list)
+
+
+class ControlCore:
+    def __init__(self, config: ServiceConfig, *, clock=time.monotonic):
+        self.config = config
+        self.clock = clock
+        self.started = clock()
+        self.drafters = config.drafters
+        self.max_k = config.controller.max_k
+        self.targets = tuple(ClassTarget(c.name, c.tpot_s, c.ttft_s) for c in config.classes
+                             if c.tpot_s is not None or c.ttft_s is not None)
+        self.policy_name = config.controller.policy
+        self.policy = self._make(self.policy_name, "controller.policy")
+        self.pins: dict[str, Arm] = {c.name: Arm(c.pin.drafter, c.pin.k) for c in config.classes if c.pin}
+        self.classes: dict[str, ClassView] = {c: ClassView(c) for c in config.class_names}
+        self.replicas: dict[str, ReplicaState] = {}
+        self.current: dict[str, Arm] = {}
+        self.version = 0
+        self._emitted: dict[str, collections.deque] = collections.defaultdict(collections.deque)
+        self._refresh(Load())
+
+    def _make(self, name: str, field_name: str):
+        return make_policy(name, drafters=self.drafters, max_k=self.max_k, targets=self.targets,
+                           seed=self.config.controller.seed, field=field_name)
+
+    # ---- replicas ------------------------------------------------------------------------
+    def report(self, rep: ReplicaReport) -> PolicySnapshot:
+        now = self.clock()
+        for outcome in rep.outcomes:
+            self.policy.observe(outcome)
+        for d in rep.classes:
+            self._add(d, now)
+        st = rep.state
+        if rep.outcomes and rep.interval_s > 0:
+            st.step_time_s = sum(o.wall_s for o in rep.outcomes) / len(rep.outcomes)
+            st.tokens_per_s = sum(d.emitted for d in rep.classes) / rep.interval_s
+        elif st.replica_id in self.replicas:
+            st.step_time_s = self.replicas[st.replica_id].step_time_s if st.batch_size else 0.0
+        self.replicas[st.replica_id] = st
+        load = Load(batch_size=max(st.batch_size, 1), queued=st.num_waiting, verify_tokens=st.verify_tokens,
+                    context_tokens=st.context_tokens)
+        return self._refresh(load)
+
+    def _add(self, d: ClassDelta, now: float) -> None:
+        view = self.classes.get(d.request_class)
+        if view is None:
+            view = self.classes[d.request_class] = ClassView(d.request_class)
+        view.requests += d.requests
+        view.drafted += d.drafted
+        view.accepted += d.accepted
+        view.emitted += d.emitted
+        view.steps += d.steps
+        if d.emitted:
+            self._emitted[d.request_class].append((now, d.emitted))
+
+    def _refresh(self, load: Load) -> PolicySnapshot:
+        for c in self.classes:
+            self.current[c] = self.pins.get(c) or self.policy.choose(c, load)
+        self.version += 1
+        return self.snapshot()
+
+    def snapshot(self) -> PolicySnapshot:
+        return PolicySnapshot(self.version, dict(self.current), self.current.get("default", NO_SPEC))
+
+    # ---- operators ---------------------------------------------------------------------
+    def stats(self) -> StatsView:
+        now = self.clock()
+        views = []
+        for c, v in self.classes.items():
+            q = self._emitted[c]
+            while q and q[0][0] < now - GOODPUT_WINDOW_S:
+                q.popleft()
+            span = min(GOODPUT_WINDOW_S, max(now - self.started, 1e-9))
+            v.goodput_tokens_per_s = sum(n for _, n in q) / span
+            v.current_arm = str(self.current.get(c, NO_SPEC))
+            v.pinned = c in self.pins
+            views.append(v)
+        return StatsView(views, list(self.replicas.values()), self.policy_name, self.version, now - self.started)
+
+    def policy_view(self) -> PolicyView:
+        return PolicyView(self.policy_name, [(c, str(self.current.get(c, NO_SPEC)), c in self.pins)
+                                             for c in self.classes], self.version, self.drafters, self.max_k)
+
+    def update(self, upd: PolicyUpdate) -> PolicyView:
+        """Switch policy and pin/unpin arms; ValueError names the field. All or nothing."""
+        new_policy = self._make(upd.policy, "policy") if upd.policy else None
+        pins = dict(self.pins)
+        for i, (c, arm) in enumerate(upd.pins):
+            if not c:
+                raise ValueError(f"pin[{i}].request_class: empty")
+            if c not in self.classes and self.config.strict_classes:
+                raise ValueError(f"pin[{i}].request_class: unknown class {c!r}")
+            if arm.k and arm.drafter not in self.drafters:
+                raise ValueError(f"pin[{i}].arm.drafter: {arm.drafter!r} is not available (drafters: "
+                                 f"{', '.join(self.drafters)})")
+            if arm.k > self.max_k:
+                raise ValueError(f"pin[{i}].arm.k: {arm.k} exceeds max_k={self.max_k}")
+            pins[c] = arm
+        for i, c in enumerate(upd.unpins):
+            if c not in pins:
+                raise ValueError(f"unpin[{i}]: class {c!r} is not pinned")
+            del pins[c]
+        if new_policy is not None:
+            self.policy, self.policy_name = new_policy, upd.policy
+        self.pins = pins
+        for c in pins:
+            self.classes.setdefault(c, ClassView(c))
+        self._refresh(Load())
+        return self.policy_view()
+
+
+@serve.deployment(name="Controller", num_replicas=1, ray_actor_options={"num_cpus": 0})
+class Controller:
+    def __init__(self, config: dict):
+        self.core = ControlCore(ServiceConfig.model_validate(config))
+
+    async def report(self, rep: ReplicaReport) -> PolicySnapshot:
+        return self.core.report(rep)
+
+    async def snapshot(self) -> PolicySnapshot:
+        return self.core.snapshot()
+
+    async def stats(self) -> StatsView:
+        return self.core.stats()
+
+    async def policy(self) -> PolicyView:
+        return self.core.policy_view()
+
+    async def update_policy(self, upd: PolicyUpdate) -> PolicyView | str:
+        """The new policy view, or the ValueError message (the caller maps it to INVALID_ARGUMENT)."""
+        try:
+            return self.core.update(upd)
+        except ValueError as exc:
+            return str(exc)

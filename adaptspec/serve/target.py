@@ -1,0 +1,111 @@
+"""TargetEngine: one continuous-batching engine per replica, behind ``EngineLoop``.
+
+Requests from every Ingress caller share the replica's batches. A report task sends the
+engine's step stats to the Controller every ``controller.report_interval_s`` and installs
+the ``PolicySnapshot`` it answers with; a missing or failing Controller leaves the last
+snapshot in place (requests never wait on it).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ray import serve
+
+from adaptspec.control.types import StepOutcome
+from adaptspec.serve.config import ServiceConfig
+from adaptspec.serve.types import EngineRequest, ReplicaReport
+
+log = logging.getLogger(__name__)
+
+
+@serve.deployment(name="TargetEngine", max_ongoing_requests=1024, health_check_period_s=5)
+class TargetEngine:
+    async def __init__(self, config: dict, controller=None):
+        import torch
+
+        from adaptspec import Engine
+        from adaptspec.serve.faults import guard_proposers
+        from adaptspec.serve.loop import EngineLoop
+        from adaptspec.serve.metrics import ServiceMetrics
+
+        cfg = self.config = ServiceConfig.model_validate(config)
+        threads = cfg.engine.torch_threads or max(1, int(cfg.target.num_cpus or 1))
+        torch.set_num_threads(threads)
+        draft = cfg.models.draft if cfg.placement == "colocated" else None
+        engine = await asyncio.to_thread(
+            Engine.from_pretrained, cfg.models.target, draft=draft, dtype=cfg.models.dtype,
+            device=cfg.models.device, max_num_seqs=cfg.engine.max_num_seqs, max_model_len=cfg.engine.max_model_len)
+        self.guards = guard_proposers(engine, inject=cfg.faults)
+        try:
+            self.replica_id = serve.get_replica_context().replica_id.unique_id
+        except Exception:  # local testing mode
+            self.replica_id = "local"
+        self.loop = EngineLoop(engine, max_queued=cfg.engine.max_queued, replica_id=self.replica_id,
+                               faults_fn=lambda: sum(g.faults for g in self.guards))
+        self.controller = controller
+        self.metrics = ServiceMetrics()
+        self._faults_reported = 0
+        self._report_task = asyncio.get_running_loop().create_task(self._report_forever())
+
+    async def generate(self, req: EngineRequest):
+        """Stream ``EngineChunk``s for one request (rules in ``EngineLoop.generate``)."""
+        async for chunk in self.loop.generate(req):
+            yield chunk
+
+    async def info(self) -> dict[str, object]:
+        eng = self.loop.engine
+        return {"replica_id": self.replica_id, "drafters": ["none", *eng.proposers],
+                "max_model_len": eng.config.max_model_len, "max_num_seqs": eng.config.max_num_seqs,
+                "in_flight": self.loop.num_in_flight, "running": len(eng.requests)}
+
+    async def check_health(self) -> None:
+        if not self.loop._thread.is_alive():
+            raise RuntimeError("engine thread died")
+
+    async def _report_forever(self) -> None:
+        from adaptspec.serve.loop import class_deltas
+
+        interval = self.config.controller.report_interval_s
+        last = time.monotonic()
+        while True:
+            await asyncio.sleep(interval)
+            steps = self.loop.take_step_stats()
+            finished = self.loop.take_finished()
+            now = time.monotonic()
+            try:
+                self._record_metrics(steps, finished)
+                if self.controller is None:
+                    continue
+                deltas = class_deltas(steps)
+                for cls, _, _ in finished:
+                    deltas.setdefault(cls, _delta(cls)).requests += 1
+                rep = ReplicaReport(self.loop.state(), [StepOutcome.from_step_stats(s) for s in steps],
+                                    list(deltas.values()), now - last)
+                last = now
+                self.loop.snapshot = await self.controller.report.remote(rep)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the controller restarting, say: keep serving with the last snapshot
+                log.warning("report to the controller failed", exc_info=True)
+
+    def _record_metrics(self, steps, finished) -> None:
+        self.metrics.observe_steps(steps)
+        for cls, reason, tokens in finished:
+            self.metrics.observe_finished(cls, reason, tokens)
+        faults = sum(g.faults for g in self.guards)
+        if faults > self._faults_reported:
+            self.metrics.drafter_faults.inc(faults - self._faults_reported)
+            self._faults_reported = faults
+
+    def __del__(self):
+        loop = getattr(self, "loop", None)
+        if loop is not None:
+            loop.stop()
+
+
+def _delta(cls: str):
+    from adaptspec.serve.types import ClassDelta
+
+    return ClassDelta(cls)
