@@ -243,8 +243,8 @@ class Engine:
             else:
                 res = self._verify_stochastic([batch[r] for r in members], [drafts[r] for r in members],
                                               sub_logits, draft_ids, num_draft, max_k)
-            out, acc = res.output_token_ids.tolist(), res.num_accepted.tolist()  # the step's one sync
-            for r, o, a in zip(members, out, acc):
+            host = torch.cat([res.num_accepted[:, None], res.output_token_ids], 1).tolist()  # one sync
+            for r, (a, *o) in zip(members, host):
                 emitted[r] = o[:a + 1]
         return emitted, hidden
 
@@ -260,10 +260,11 @@ class Engine:
         u_accept = torch.cat([x[:-1] for x in u]).to(dev)
         u_sample = torch.stack([x[-1] for x in u]).to(dev)
         temperature, top_k, top_p = self._param_tensors(seqs)
+        any_top_k = any(s.params.top_k > 0 for s in seqs)  # decided on the host: no device sync
+        any_top_p = any(s.params.top_p < 1.0 for s in seqs)
         return verifier.verify_stochastic_from_logits_dispatch(
-            logits, temperature, top_k if bool((top_k > 0).any()) else None,
-            top_p if bool((top_p < 1).any()) else None, draft_ids, q, num_draft, u_accept, u_sample,
-            max_num_draft_tokens=max_k)
+            logits, temperature, top_k if any_top_k else None, top_p if any_top_p else None,
+            draft_ids, q, num_draft, u_accept, u_sample, max_num_draft_tokens=max_k)
 
     def _param_tensors(self, seqs: list[Sequence], reps: torch.Tensor | None = None):
         dev = self.device

@@ -1,0 +1,53 @@
+"""Model specs and the CLI surface of the engine area."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from adaptspec.cli import app
+from adaptspec.models.registry import HubUnreachableError, resolve
+
+runner = CliRunner()
+
+
+def test_hub_id_fails_with_one_clear_line(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(HubUnreachableError, match="hub is unreachable.*local folder"):
+        resolve("HuggingFaceTB/SmolLM2-360M-Instruct")
+    res = runner.invoke(app, ["complete", "hi", "--target", "HuggingFaceTB/SmolLM2-360M-Instruct"])
+    assert res.exit_code == 2
+    lines = [ln for ln in res.output.strip().splitlines() if ln]
+    assert len(lines) == 1 and lines[0].startswith("error: model 'HuggingFaceTB/SmolLM2-360M-Instruct'")
+    assert "Traceback" not in res.output
+
+
+def test_unknown_specs_are_named(tmp_path):
+    with pytest.raises(ValueError, match="not a built-in alias"):
+        resolve("no-such-model")
+    with pytest.raises(ValueError, match="no config.json"):
+        resolve(str(tmp_path))
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        resolve(str(tmp_path / "weights.bin"))
+
+
+def test_complete_json_on_a_local_folder(tiny_dir):
+    res = runner.invoke(app, ["complete", "t1 t2 t3 t1 t2", "--target", str(tiny_dir), "--raw", "--drafter", "ngram",
+                              "--k", "3", "--max-new-tokens", "12", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output.strip().splitlines()[-1])
+    assert set(out) == {"text", "token_ids", "stats"} and len(out["token_ids"]) == 12
+    assert out["stats"]["steps"] == 11 - out["stats"]["accepted"]  # 11 tokens after the prefill's first
+
+
+def test_complete_rejects_bad_k(tiny_dir):
+    res = runner.invoke(app, ["complete", "t1", "--target", str(tiny_dir), "--raw", "--k", "17"])
+    assert res.exit_code == 2 and "k must be" in res.output
+
+
+def test_models_list_runs(tmp_path, monkeypatch):
+    monkeypatch.setenv("ADAPTSPEC_HOME", str(tmp_path))
+    res = runner.invoke(app, ["models", "list"])
+    assert res.exit_code == 0 and "smollm2-135m" in res.output
