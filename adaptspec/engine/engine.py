@@ -7,6 +7,7 @@ accepted tokens plus the recovered/bonus token, retire finished requests.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
@@ -21,6 +22,8 @@ from adaptspec.engine.sequence import RequestOutput, Sequence, Status
 from adaptspec.engine.stats import RequestStepStats, SpecStats, StepStats
 from adaptspec.engine import verifier
 from adaptspec.models.loader import LoadedModel, load_model
+
+log = logging.getLogger("adaptspec.engine")
 
 
 @dataclass(slots=True)
@@ -57,6 +60,7 @@ class Engine:
         self.requests: dict[str, Sequence] = {}
         self.eos_ids = _eos_ids(target)
         self.step_count = 0
+        self.drafter_errors = 0  # proposer calls that raised (their requests ran with k = 0)
         self.totals = SpecStats()
         self.last_step: StepStats | None = None
         self.step_listeners: list[Callable[[StepStats], None]] = []
@@ -205,7 +209,15 @@ class Engine:
             if k > 0:
                 by_drafter.setdefault(s.spec.drafter, []).append(i)
         for name, idx in by_drafter.items():
-            proposed = self.proposers[name].propose([batch[i] for i in idx], [ks[i] for i in idx])
+            prop, seqs = self.proposers[name], [batch[i] for i in idx]
+            try:
+                proposed = prop.propose(seqs, [ks[i] for i in idx])
+            except Exception:  # a failing drafter means k = 0 for its requests, never a lost request
+                log.exception("drafter %r failed; its %d requests decode plainly this step", name, len(idx))
+                self.drafter_errors += 1
+                for s in seqs:  # nothing drafted was accepted: roll the drafter's state back
+                    prop.on_verified(s, len(s.token_ids), 0, None)
+                proposed = [Draft([]) for _ in idx]
             for i, d in zip(idx, proposed):
                 drafts[i] = d
         return drafts

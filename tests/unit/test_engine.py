@@ -124,3 +124,22 @@ def test_draft_with_another_vocabulary_is_refused(tiny_dir, tmp_path):
     other = make_tiny_model(tmp_path, vocab=20, seed=2)
     with pytest.raises(ValueError, match="draft: vocabulary"):
         Engine.from_pretrained(str(tiny_dir), draft=str(other))
+
+
+def test_failing_drafter_means_k_zero_not_a_lost_request(engine, monkeypatch):
+    params = SamplingParams(max_new_tokens=20)
+    plain = engine.generate(PROMPTS[:2], params)
+    prop = engine.proposers["draft"]
+    real, calls = prop.propose, {"n": 0}
+
+    def flaky(seqs, ks):  # fails every other call, mid-stream
+        calls["n"] += 1
+        if calls["n"] % 2 == 0:
+            raise RuntimeError("drafter replica went away")
+        return real(seqs, ks)
+
+    monkeypatch.setattr(prop, "propose", flaky)
+    errors = engine.drafter_errors
+    outs = engine.generate(PROMPTS[:2], params, SpecConfig("draft", 4))
+    assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
+    assert engine.drafter_errors > errors
