@@ -155,7 +155,7 @@ class ClassStats(_message.Message):
     def __init__(self, request_class: _Optional[str] = ..., requests: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., emitted: _Optional[int] = ..., steps: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., current_arm: _Optional[str] = ..., goodput_tokens_per_s: _Optional[float] = ..., pinned: _Optional[bool] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
-    __slots__ = ("replica_id", "batch_size", "num_waiting", "step_time_s", "steps", "tokens_per_s", "drafter_faults")
+    __slots__ = ("replica_id", "batch_size", "num_waiting", "step_time_s", "steps", "tokens_per_s", "drafter_faults", "in_flight", "free_slots")
     REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
     BATCH_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +163,8 @@ class ReplicaStats(_message.Message):
     STEPS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_S_FIELD_NUMBER: _ClassVar[int]
     DRAFTER_FAULTS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    FREE_SLOTS_FIELD_NUMBER: _ClassVar[int]
     replica_id: str
     batch_size: int
     num_waiting: int
@@ -170,7 +172,9 @@ class ReplicaStats(_message.Message):
     steps: int
     tokens_per_s: float
     drafter_faults: int
-    def __init__(self, replica_id: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., step_time_s: _Optional[float] = ..., steps: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., drafter_faults: _Optional[int] = ...) -> None: ...
+    in_flight: int
+    free_slots: int
+    def __init__(self, replica_id: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., step_time_s: _Optional[float] = ..., steps: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., drafter_faults: _Optional[int] = ..., in_flight: _Optional[int] = ..., free_slots: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
     __slots__ = ("classes", "replicas", "policy", "policy_version", "uptime_s")

@@ -100,7 +100,8 @@ def to_stats(view) -> pb.GetStatsResponse:
                                pinned=c.pinned) for c in view.classes],
         replicas=[pb.ReplicaStats(replica_id=r.replica_id, batch_size=r.batch_size, num_waiting=r.num_waiting,
                                   step_time_s=r.step_time_s, steps=r.steps, tokens_per_s=r.tokens_per_s,
-                                  drafter_faults=r.drafter_faults) for r in view.replicas],
+                                  drafter_faults=r.drafter_faults, in_flight=r.in_flight,
+                                  free_slots=r.free_slots) for r in view.replicas],
         policy=view.policy, policy_version=view.version, uptime_s=view.uptime_s)
 
 

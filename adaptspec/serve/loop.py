@@ -119,7 +119,8 @@ class EngineLoop:
                             num_waiting=last.num_waiting if last else 0, steps=self.engine.step_count,
                             drafter_faults=self._faults_fn(),
                             verify_tokens=last.verify_tokens if last else 0,
-                            context_tokens=last.context_tokens if last else 0)
+                            context_tokens=last.context_tokens if last else 0,
+                            in_flight=len(self._streams), free_slots=len(self.engine.scheduler.free_slots))
 
     def stop(self) -> None:
         self._stop = True

@@ -79,6 +79,8 @@ class ReplicaState:
     drafter_faults: int = 0
     verify_tokens: int = 0
     context_tokens: int = 0
+    in_flight: int = 0
+    free_slots: int = 0
 
 
 @dataclass(slots=True)

@@ -1,0 +1,261 @@
+"""The service end to end: real local Ray, real Serve gRPC proxy on loopback, tiny models.
+
+One Ray/Serve instance for the module. Two applications share its proxy: `adaptspec`
+(the default config on tiny random models) and `faulty` (strict classes, an n-gram
+drafter that raises, every class pinned to n-gram). A third, `smollm`, deploys SmolLM2 and
+its draft for one end-to-end test and is deleted after it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("ray.serve")
+
+from adaptspec.serve.client import Client  # noqa: E402
+from adaptspec.serve.config import ServiceConfig  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+GRPC_PORT, HTTP_PORT = 9317, 8317
+MAX_NUM_SEQS, MAX_QUEUED = 4, 4
+CLASSES = ["chat", "code_edit", "extraction", "default"]
+
+
+def _config(target, draft, **over) -> ServiceConfig:
+    base = {"models": {"target": str(target), "draft": str(draft)}, "grpc_port": GRPC_PORT, "http_port": HTTP_PORT,
+            "target": {"num_cpus": 0}, "controller": {"report_interval_s": 0.1, "max_k": 4},
+            "engine": {"max_num_seqs": MAX_NUM_SEQS, "max_model_len": 512, "max_queued": MAX_QUEUED,
+                       "torch_threads": 1},
+            "max_tokens_limit": 400}
+    base.update(over)
+    return ServiceConfig.model_validate(base)
+
+
+@pytest.fixture(scope="module")
+def service(tiny_dir, tiny_draft_dir):
+    from ray import serve
+
+    from adaptspec.serve import app
+
+    cfg = _config(tiny_dir, tiny_draft_dir)
+    app.start(cfg, num_cpus=4)
+    faulty = _config(tiny_dir, tiny_draft_dir, app_name="faulty", strict_classes=True,
+                     faults={"drafter": "ngram", "after_calls": 3, "every": 2},
+                     classes=[{"name": c, "pin": {"drafter": "ngram", "k": 4}} for c in CLASSES])
+    serve.run(app.build_app(faulty), name="faulty", route_prefix="/faulty")
+    client = Client(f"127.0.0.1:{GRPC_PORT}")
+    yield cfg, client
+    client.close()
+    app.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dir):
+    """The engine alone (no Ray), for greedy equality."""
+    from adaptspec import Engine, SamplingParams
+
+    eng = Engine.from_pretrained(str(tiny_dir), max_num_seqs=4, max_model_len=512)
+
+    def run(ids, max_tokens):
+        return eng.generate([ids], SamplingParams(max_new_tokens=max_tokens))[0].token_ids
+
+    return run
+
+
+def _prompt(i: int) -> list[int]:
+    return [(i * 7 + j * 3) % 16 for j in range(3 + i % 5)]
+
+
+def _wait_for(fn, what: str, limit_s: float = 30.0):
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        out = fn()
+        if out:
+            return out
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _idle(client: Client) -> bool:
+    reps = client.stats().replicas
+    return bool(reps) and all(r.in_flight == 0 and r.free_slots == MAX_NUM_SEQS for r in reps)
+
+
+def test_unary_matches_engine(service, reference):
+    _, client = service
+    r = client.generate(prompt_token_ids=_prompt(1), max_tokens=12, request_class="chat", timeout=60)
+    assert list(r.token_ids) == reference(_prompt(1), 12)
+    assert r.finish_reason in ("length", "stop")
+    assert r.usage.prompt_tokens == len(_prompt(1)) and r.usage.completion_tokens == len(r.token_ids)
+    assert r.request_class == "chat" and r.speculation.steps >= 1 and r.timings.e2e_s > 0
+
+
+def test_stream_yields_the_same_tokens(service, reference):
+    _, client = service
+    chunks = list(client.stream(prompt_token_ids=_prompt(2), max_tokens=10, request_class="code_edit", timeout=60))
+    tokens = [t for c in chunks for t in c.token_ids]
+    assert tokens == reference(_prompt(2), 10)
+    assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == len(tokens)
+    assert "".join(c.text for c in chunks).split() == [f"t{t}" for t in tokens]
+
+
+def test_32_concurrent_mixed_classes(service, reference):
+    _, client = service
+
+    def one(i):
+        return client.generate(prompt_token_ids=_prompt(i), max_tokens=8 + i % 9, request_class=CLASSES[i % 4],
+                               speculation=None if i % 3 else ("draft", 1 + i % 4), timeout=120)
+
+    # 32 > max_num_seqs + max_queued: callers retry on RESOURCE_EXHAUSTED like a client should
+    def with_retry(i):
+        while True:
+            try:
+                return one(i)
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise
+                time.sleep(0.05)
+
+    with ThreadPoolExecutor(32) as pool:
+        outs = list(pool.map(with_retry, range(32)))
+    for i, r in enumerate(outs):
+        assert list(r.token_ids) == reference(_prompt(i), 8 + i % 9), f"request {i}"
+        assert r.request_class == CLASSES[i % 4]
+
+
+def test_stats_and_policy_update(service):
+    _, client = service
+    client.generate(prompt_token_ids=_prompt(3), max_tokens=6, request_class="extraction", timeout=60)
+    st = _wait_for(lambda: (s := client.stats()) and sum(c.requests for c in s.classes) > 0 and s, "stats")
+    assert {c.request_class for c in st.classes} >= set(CLASSES)
+    assert st.policy == "thompson" and st.replicas and st.replicas[0].steps > 0
+
+    pol = client.update_policy("ucb", pins={"chat": ("ngram", 2)})
+    assert pol.policy == "ucb"
+    assert [(c.arm, c.pinned) for c in pol.classes if c.request_class == "chat"] == [("ngram:2", True)]
+    time.sleep(0.5)  # replicas pick the snapshot up at their next report (0.1 s here)
+    r = client.generate(prompt_token_ids=_prompt(4), max_tokens=8, request_class="chat", timeout=60)
+    # the engine records the effective k: smaller near max_tokens (none on the last token)
+    assert {a.arm for a in r.speculation.arms} <= {"ngram:2", "ngram:1", "none:0"}
+    assert any(a.arm == "ngram:2" for a in r.speculation.arms)
+    pol = client.update_policy("thompson", unpin=["chat"])
+    assert not any(c.pinned for c in pol.classes) and client.policy().policy == "thompson"
+
+
+@pytest.mark.parametrize("fields, field", [
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="   "), "prompt"),
+    (dict(prompt_token_ids=[1, 2], max_tokens=0), "max_tokens"),
+    (dict(prompt_token_ids=[1, 2], max_tokens=401), "max_tokens"),
+    (dict(prompt_token_ids=[1] * 300, max_tokens=300), "max_tokens"),  # past the context (512)
+    (dict(prompt_token_ids=[1, 2], temperature=-0.5), "temperature"),
+    (dict(prompt_token_ids=[1, 2], top_p=0.0), "top_p"),
+    (dict(prompt_token_ids=[1, 2], top_p=1.5), "top_p"),
+    (dict(prompt_token_ids=[1, 2], speculation=("ngram", 17)), "speculation.k"),
+    (dict(prompt_token_ids=[1, 2], speculation=("medusa", 2)), "speculation.drafter"),
+    (dict(prompt_token_ids=[1, 99]), "prompt_token_ids"),  # outside the vocabulary (16)
+])
+def test_bad_input_is_invalid_argument(service, fields, field):
+    _, client = service
+    for call in (client.generate, lambda **f: list(client.stream(**f))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(timeout=30, **fields)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value.details()
+        assert field in err.value.details()
+
+
+def test_bad_policy_update_is_invalid_argument(service):
+    _, client = service
+    for kwargs, field in ((dict(policy="greedy-magic"), "policy"), (dict(pins={"chat": ("ngram", 17)}), "k"),
+                          (dict(unpin=["code_edit"]), "unpin")):
+        with pytest.raises(grpc.RpcError) as err:
+            client.update_policy(**kwargs)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+
+
+def _long(client: Client, **kw):
+    return client.stream(prompt_token_ids=[1, 2, 3], max_tokens=400, ignore_eos=True, timeout=120, **kw)
+
+
+def test_full_queue_is_resource_exhausted_and_cancel_frees_slots(service):
+    _, client = service
+    streams = [_long(client) for _ in range(MAX_NUM_SEQS + MAX_QUEUED)]
+    firsts = [next(s) for s in streams[:MAX_NUM_SEQS]]  # running; the rest wait for a slot
+    assert all(f.token_ids for f in firsts)
+    _wait_for(lambda: client.stats().replicas[0].in_flight == MAX_NUM_SEQS + MAX_QUEUED, "a full queue")
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(prompt_token_ids=[1, 2], max_tokens=4, timeout=30)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    for s in streams:
+        s.cancel()
+    _wait_for(lambda: _idle(client), "cancelled requests to free their slots")
+    assert client.generate(prompt_token_ids=[1, 2], max_tokens=4, timeout=30).token_ids
+
+
+def test_deadline_aborts_and_frees_the_slot(service):
+    _, client = service
+    _wait_for(lambda: _idle(client), "an idle replica")
+    with pytest.raises(grpc.RpcError) as err:
+        client.generate(prompt_token_ids=[1, 2, 3], max_tokens=400, ignore_eos=True, timeout=0.3)
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    with pytest.raises(grpc.RpcError):
+        list(client.stream(prompt_token_ids=[1, 2, 3], max_tokens=400, ignore_eos=True, timeout=0.3))
+    _wait_for(lambda: _idle(client), "the expired requests to free their slots")
+
+
+def test_drafter_that_raises_still_gives_the_target_output(service, reference):
+    _, client = service
+    faulty = Client(client.address, app_name="faulty")
+    try:
+        for i in range(3):
+            chunks = list(faulty.stream(prompt_token_ids=_prompt(i), max_tokens=30, request_class="chat",
+                                        timeout=60))
+            assert [t for c in chunks for t in c.token_ids] == reference(_prompt(i), 30)
+            assert chunks[-1].finished
+        st = faulty.stats()
+        assert st.replicas and st.replicas[0].drafter_faults > 0
+        with pytest.raises(grpc.RpcError) as err:  # strict classes
+            faulty.generate(prompt_token_ids=[1, 2], request_class="poetry", timeout=30)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_class" in err.value.details()
+    finally:
+        faulty.close()
+
+
+def test_unknown_class_goes_to_default(service):
+    _, client = service
+    r = client.generate(prompt_token_ids=[1, 2], max_tokens=3, request_class="poetry", timeout=30)
+    assert r.request_class == "default"
+
+
+@pytest.mark.slow
+def test_smollm_end_to_end(service, smollm_engine):
+    """SmolLM2 and its draft behind the same proxy: greedy text equals the engine's."""
+    from ray import serve
+
+    from adaptspec import SamplingParams
+    from adaptspec.serve import app
+
+    cfg = ServiceConfig.model_validate({
+        "app_name": "smollm", "grpc_port": GRPC_PORT, "http_port": HTTP_PORT, "target": {"num_cpus": 0},
+        "engine": {"max_num_seqs": 4, "max_model_len": 1024, "torch_threads": 1},
+        "controller": {"report_interval_s": 0.1}})
+    serve.run(app.build_app(cfg), name="smollm", route_prefix="/smollm")
+    client = Client(f"127.0.0.1:{GRPC_PORT}", app_name="smollm")
+    try:
+        prompts = ["What causes the seasons on Earth?", "Name three prime numbers."]
+        with ThreadPoolExecutor(2) as pool:
+            outs = list(pool.map(lambda p: client.generate(p, max_tokens=24, request_class="chat", timeout=120),
+                                 prompts))
+        ref = smollm_engine.generate(prompts, SamplingParams(max_new_tokens=24))
+        for got, want in zip(outs, ref):
+            assert list(got.token_ids) == want.token_ids and got.text == want.text
+        assert client.stats().classes
+    finally:
+        client.close()
+        serve.delete("smollm")
