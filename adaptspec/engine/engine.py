@@ -146,9 +146,9 @@ class Engine:
         drafts = self._propose(batch, ks)
         t2 = self._sync_time()
         context = sum(s.num_computed for s in batch)
-        accepted, extra_hidden = self._verify(batch, drafts)
+        emitted, hidden = self._verify(batch, drafts)
         t3 = self._sync_time()
-        req_stats = self._commit(batch, ks, drafts, accepted, extra_hidden, outputs)
+        req_stats = self._commit(batch, ks, drafts, emitted, hidden, outputs)
         for seq in [s for s in self.scheduler.running if s.finished]:
             self.scheduler.free(seq)
             self.requests.pop(seq.request_id, None)
