@@ -45,7 +45,8 @@ def start(config: ServiceConfig, *, num_cpus: int | None = None) -> Running:
         ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False,
                  log_to_driver=False, configure_logging=True, logging_level="WARNING")
     serve.start(http_options={"host": config.host, "port": config.http_port},
-                grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION]))
+                grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION],
+                                         enable_reflection=True))
     serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
     return Running(config, f"127.0.0.1:{config.grpc_port}")
 

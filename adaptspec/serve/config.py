@@ -156,7 +156,8 @@ def serve_config(config: ServiceConfig) -> dict:
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": config.host, "port": config.http_port},
-        "grpc_options": {"port": config.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION]},
+        "grpc_options": {"port": config.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION],
+                         "enable_reflection": True},
         "applications": [{
             "name": config.app_name,
             "route_prefix": f"/{config.app_name}",
@@ -173,3 +174,49 @@ def write_serve_config(config: ServiceConfig, path: str | Path) -> Path:
     path.write_text("# Ray Serve config for AdaptSpec: `serve run` or `serve deploy` this file.\n"
                     + yaml.safe_dump(serve_config(config), sort_keys=False))
     return path
+
+
+def check_serve_config(data: dict) -> None:
+    """Validate a Serve config with ``ServeDeploySchema``, then refuse keys the schema would
+    ignore (it accepts typos silently), and validate our application's ``args`` strictly."""
+    from ray.serve.schema import ServeDeploySchema
+
+    ServeDeploySchema.model_validate(data)
+    _unknown_keys(ServeDeploySchema, data, "")
+    for i, app in enumerate(data.get("applications", [])):
+        if app.get("import_path") == APP_IMPORT_PATH:
+            try:
+                ServiceConfig.model_validate(app.get("args") or {})
+            except ValueError as exc:
+                raise ValueError(f"applications[{i}].args: {exc}") from None
+
+
+def _unknown_keys(model, data, where: str) -> None:
+    import typing
+
+    if not isinstance(data, dict):
+        return
+    fields = model.model_fields
+    names = {n for n in fields} | {f.alias for f in fields.values() if f.alias}
+    for key, value in data.items():
+        if key not in names:
+            raise ValueError(f"{where}{key}: unknown key in the Serve config (known: {', '.join(sorted(names))})")
+        if key == "args" and model.__name__ == "ServeApplicationSchema":
+            continue  # free-form in Serve; ours is checked against ServiceConfig
+        ann = fields[key].annotation if key in fields else None
+        for sub in _models_in(ann, typing):
+            if isinstance(value, list):
+                for j, item in enumerate(value):
+                    _unknown_keys(sub, item, f"{where}{key}[{j}].")
+            else:
+                _unknown_keys(sub, value, f"{where}{key}.")
+            break
+
+
+def _models_in(ann, typing) -> list:
+    if isinstance(ann, type) and issubclass(ann, BaseModel):
+        return [ann]
+    out = []
+    for arg in typing.get_args(ann):
+        out += _models_in(arg, typing)
+    return out

@@ -1,0 +1,110 @@
+"""Service config: the pydantic model, the written Serve config, the deploy/ files."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from adaptspec.serve.config import ServiceConfig, check_serve_config, load_config, serve_config, write_serve_config
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD = ROOT.parent / "shared" / "schemas" / "kuberay" / "ray.io_rayservices.yaml"
+
+
+def test_default_config_writes_a_valid_serve_config(tmp_path):
+    pytest.importorskip("ray.serve")
+    path = write_serve_config(ServiceConfig(), tmp_path / "serve.yaml")
+    data = yaml.safe_load(path.read_text())
+    check_serve_config(data)  # ServeDeploySchema + unknown keys + our args
+    app = data["applications"][0]
+    assert app["import_path"] == "adaptspec.serve.app:app_builder"
+    assert ServiceConfig.model_validate(app["args"]) == ServiceConfig()
+
+
+def test_the_builder_named_in_the_serve_config_builds_the_app():
+    pytest.importorskip("ray.serve")
+    from ray.serve import Application
+
+    from adaptspec.serve.app import app_builder
+
+    assert isinstance(app_builder(serve_config(ServiceConfig())["applications"][0]["args"]), Application)
+
+
+@pytest.mark.parametrize("where, key", [((), "grpc_option"), (("grpc_options",), "grpc_servicer_function"),
+                                         (("http_options",), "hots")])
+def test_unknown_serve_keys_are_refused(where, key):
+    pytest.importorskip("ray.serve")
+    data = serve_config(ServiceConfig())
+    node = data
+    for w in where:
+        node = node[w]
+    node[key] = 1
+    with pytest.raises(ValueError, match=key):
+        check_serve_config(data)
+
+
+def test_unknown_app_arg_is_refused():
+    pytest.importorskip("ray.serve")
+    data = serve_config(ServiceConfig())
+    data["applications"][0]["args"]["engine"]["max_num_seq"] = 3
+    with pytest.raises(ValueError, match="max_num_seq"):
+        check_serve_config(data)
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"engine": {"max_num_seqs": 0}}, "max_num_seqs"),
+    ({"controller": {"policy": "magic"}}, "policy"),
+    ({"classes": [{"name": "a", "pin": {"drafter": "none", "k": 3}}]}, "k"),
+    ({"classes": [{"name": "a"}, {"name": "a"}]}, "classes"),
+    ({"modles": {}}, "modles"),
+    ({"placement": "disaggregated", "models": {"draft": None}}, "placement"),
+])
+def test_bad_config_names_the_field(data, field):
+    with pytest.raises(ValueError, match=field):
+        ServiceConfig.model_validate(data)
+
+
+def test_default_class_is_always_there():
+    assert "default" in ServiceConfig.model_validate({"classes": [{"name": "chat"}]}).class_names
+
+
+def test_deploy_files_are_fresh_and_valid():
+    pytest.importorskip("ray.serve")
+    from adaptspec.serve.deploy import ROOT as DEPLOY, render
+
+    for rel, text in render().items():
+        assert (DEPLOY / rel).read_text() == text, f"deploy/{rel} is stale: python -m adaptspec.serve.deploy"
+    check_serve_config(yaml.safe_load((DEPLOY / "serve_config.yaml").read_text()))
+    load_config(DEPLOY / "adaptspec.yaml")
+
+
+def test_rayservice_validates_against_the_kuberay_crd():
+    if not CRD.exists():
+        pytest.skip("../shared/schemas/kuberay is absent")
+    pytest.importorskip("ray.serve")
+    jsonschema = pytest.importorskip("jsonschema")
+    crd = yaml.safe_load(CRD.read_text())
+    manifest = yaml.safe_load((ROOT / "deploy" / "kuberay" / "rayservice.yaml").read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == manifest["apiVersion"].split("/")[1])
+    schema = _strict(version["schema"]["openAPIV3Schema"])
+    jsonschema.validate(manifest, schema)
+    manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParam"] = {}  # negative control: a typo
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(manifest, schema)
+    del manifest["spec"]["rayClusterConfig"]["headGroupSpec"]["rayStartParam"]
+    assert manifest["kind"] == crd["spec"]["names"]["kind"]
+    check_serve_config(yaml.safe_load(manifest["spec"]["serveConfigV2"]))
+
+
+def _strict(schema):
+    """The CRD schema, refusing unknown fields as the API server prunes them (typos vanish)."""
+    if isinstance(schema, dict):
+        out = {k: _strict(v) for k, v in schema.items() if not k.startswith("x-kubernetes")}
+        if out.get("type") == "object" and "properties" in out and "additionalProperties" not in out \
+                and not schema.get("x-kubernetes-preserve-unknown-fields"):
+            out["additionalProperties"] = False
+        return out
+    if isinstance(schema, list):
+        return [_strict(v) for v in schema]
+    return schema
