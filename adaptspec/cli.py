@@ -20,10 +20,12 @@ def _register_all() -> None:
     from adaptspec.models.cli import register as register_models
     from adaptspec.engine.cli import register as register_engine
     from adaptspec.sim.cli import register as register_sim
+    from adaptspec.serve.cli import register as register_serve
 
     register_models(app)
     register_engine(app)
     register_sim(app)
+    register_serve(app)
 
 
 _register_all()

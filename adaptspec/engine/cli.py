@@ -12,7 +12,7 @@ from adaptspec.clierr import fail_cleanly
 def register(app: typer.Typer) -> None:
     app.command("complete")(complete)
     app.command("bench")(bench)
-    app.command("demo")(demo)
+    app.command("compare")(demo)  # `adaptspec demo` is the service demo (adaptspec.serve.cli)
 
 
 @fail_cleanly

@@ -40,7 +40,8 @@ class EngineOptions(_Strict):
 
 class TargetDeployment(_Strict):
     num_replicas: int = Field(1, ge=1, description="TargetEngine replicas")
-    num_cpus: float = Field(1.0, ge=0, description="CPUs reserved per TargetEngine replica")
+    num_cpus: float = Field(2.0, ge=0, description="CPUs reserved per TargetEngine replica (also its torch "
+                                                   "threads unless engine.torch_threads is set)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per TargetEngine replica")
 
 

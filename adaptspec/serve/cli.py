@@ -1,0 +1,279 @@
+"""CLI commands of the service area: `serve`, `generate`, `stats`, `loadtest`, `demo`."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Optional
+
+import typer
+
+from adaptspec.clierr import fail_cleanly
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve)
+    app.command("generate")(generate)
+    app.command("stats")(stats)
+    app.command("loadtest")(loadtest)
+    app.command("demo")(demo)
+
+
+def how_to_call(address: str, app_name: str) -> str:
+    return (f"gRPC on {address} (application metadata: {app_name!r}). From another terminal:\n"
+            f"  adaptspec generate \"Write a haiku about autumn\" --class chat --stream --address {address}\n"
+            f"  adaptspec stats --address {address}\n"
+            f"  adaptspec loadtest --address {address} --concurrency 1,4,16 --duration 20\n"
+            f"  grpcurl -plaintext -H 'application: {app_name}' -d '{{\"prompt\": \"Hi\", \"max_tokens\": 32}}' "
+            f"{address} adaptspec.v1.AdaptSpec/Generate")
+
+
+def start_embedded(config, console):
+    """Pull missing models, start local Ray + Serve + the app; returns the client address."""
+    from adaptspec.models.registry import resolve
+    from adaptspec.serve import app as serve_app
+
+    for spec in filter(None, (config.models.target, config.models.draft)):
+        resolve(spec, quiet=True)  # pull once, here, not in every replica
+    with console.status("starting Ray, Serve and the AdaptSpec app..."):
+        running = serve_app.start(config)
+    return running.address
+
+
+def wait_for_ctrl_c(console) -> None:
+    from adaptspec.serve import app as serve_app
+
+    try:
+        while True:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        console.print("\nshutting down...")
+    finally:
+        serve_app.stop()
+
+
+@fail_cleanly
+def serve(
+    config: Optional[str] = typer.Option(None, help="service config YAML (default: embedded SmolLM2 + draft)"),
+    host: Optional[str] = typer.Option(None, help="proxy bind address (overrides the config)"),
+    port: Optional[int] = typer.Option(None, help="gRPC port (overrides the config)"),
+    write_serve_config: Optional[str] = typer.Option(None, help="write the Ray Serve config here and exit"),
+) -> None:
+    """Run the service: local Ray, Serve's gRPC proxy, Ingress, TargetEngine, Controller."""
+    from rich.console import Console
+
+    from adaptspec.serve.config import load_config, write_serve_config as write
+
+    cfg = load_config(config)
+    if host:
+        cfg.host = host
+    if port:
+        cfg.grpc_port = port
+    if write_serve_config:
+        print(f"wrote {write(cfg, write_serve_config)} (serve run {write_serve_config})")
+        return
+    console = Console()
+    address = start_embedded(cfg, console)
+    console.print(f"[bold green]AdaptSpec is up.[/] {how_to_call(address, cfg.app_name)}\nCtrl-C stops it.")
+    wait_for_ctrl_c(console)
+
+
+@fail_cleanly
+def generate(
+    prompt: str = typer.Argument(..., help="prompt text (chat template applied unless --raw)"),
+    request_class: str = typer.Option("", "--class", help="request class (unknown: default)"),
+    stream: bool = typer.Option(False, "--stream", help="print tokens as they are accepted"),
+    address: str = typer.Option("127.0.0.1:9000", help="gRPC address of the service"),
+    app_name: str = typer.Option("adaptspec", "--app", help="Serve application name"),
+    max_tokens: Optional[int] = typer.Option(None, help="default: the service's"),
+    temperature: Optional[float] = typer.Option(None),
+    top_p: Optional[float] = typer.Option(None),
+    top_k: int = typer.Option(0),
+    seed: Optional[int] = typer.Option(None),
+    drafter: Optional[str] = typer.Option(None, help="fix the arm (experiments): none | ngram | draft"),
+    k: int = typer.Option(4, help="with --drafter"),
+    raw: bool = typer.Option(False),
+    timeout: float = typer.Option(120.0, help="deadline in seconds"),
+    as_json: bool = typer.Option(False, "--json", help="print the response as JSON"),
+) -> None:
+    """Call the service's Generate / GenerateStream."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from adaptspec.serve.client import Client
+
+    fields = dict(request_class=request_class, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                  top_k=top_k, seed=seed, raw=raw,
+                  speculation=(drafter, 0 if drafter == "none" else k) if drafter else None)
+    try:
+        with Client(address, app_name) as c:
+            if stream:
+                last = None
+                for chunk in c.stream(prompt, timeout=timeout, **fields):
+                    if as_json:
+                        print(json.dumps(MessageToDict(chunk)))
+                    else:
+                        sys.stdout.write(chunk.text)
+                        sys.stdout.flush()
+                    last = chunk
+                if not as_json and last is not None:
+                    print()
+                    _footer(last)
+                return
+            r = c.generate(prompt, timeout=timeout, **fields)
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        raise typer.Exit(1) from None
+    if as_json:
+        print(json.dumps(MessageToDict(r, always_print_fields_with_no_presence=True)))
+    else:
+        print(r.text)
+        _footer(r)
+
+
+def _footer(r) -> None:
+    s = r.speculation
+    arms = ", ".join(f"{a.arm}x{a.steps}" for a in s.arms)
+    print(f"[{r.request_class}] {r.usage.completion_tokens} tokens, ttft {r.timings.ttft_s * 1e3:.0f} ms, "
+          f"e2e {r.timings.e2e_s:.2f} s, acceptance {s.acceptance_rate:.2f}, mean accepted length "
+          f"{s.mean_accepted_length:.2f}, arms {arms}", file=sys.stderr)
+
+
+def stats_table(st, title: str = "AdaptSpec"):
+    from rich.table import Table
+
+    t = Table(title=f"{title}: policy {st.policy} (v{st.policy_version}), up {st.uptime_s:.0f}s")
+    for col in ("class", "arm", "requests", "drafted", "accepted", "acceptance", "mean acc. len", "goodput tok/s"):
+        t.add_column(col, justify="left" if col in ("class", "arm") else "right")
+    for c in st.classes:
+        t.add_row(c.request_class, c.current_arm + (" (pinned)" if c.pinned else ""), str(c.requests),
+                  str(c.drafted), str(c.accepted), f"{c.acceptance_rate:.2f}", f"{c.mean_accepted_length:.2f}",
+                  f"{c.goodput_tokens_per_s:.1f}")
+    for r in st.replicas:
+        t.caption = ((t.caption + "\n") if t.caption else "") + (
+            f"replica {r.replica_id}: batch {r.batch_size}, waiting {r.num_waiting}, in flight {r.in_flight}, "
+            f"step {r.step_time_s * 1e3:.1f} ms, {r.tokens_per_s:.1f} tok/s, drafter faults {r.drafter_faults}")
+    return t
+
+
+@fail_cleanly
+def stats(
+    address: str = typer.Option("127.0.0.1:9000", help="gRPC address of the service"),
+    app_name: str = typer.Option("adaptspec", "--app"),
+    once: bool = typer.Option(False, "--once", help="print one table and exit"),
+    as_json: bool = typer.Option(False, "--json"),
+    interval: float = typer.Option(1.0, help="refresh seconds"),
+) -> None:
+    """A live per-class table: arm, acceptance, mean accepted length, goodput; per replica load."""
+    from google.protobuf.json_format import MessageToDict
+    from rich.console import Console
+    from rich.live import Live
+
+    from adaptspec.serve.client import Client
+
+    with Client(address, app_name) as c:
+        if as_json:
+            print(json.dumps(MessageToDict(c.stats())))
+            return
+        if once:
+            Console().print(stats_table(c.stats()))
+            return
+        try:
+            with Live(stats_table(c.stats()), refresh_per_second=4) as live:
+                while True:
+                    time.sleep(interval)
+                    live.update(stats_table(c.stats()))
+        except KeyboardInterrupt:
+            pass
+
+
+@fail_cleanly
+def loadtest(
+    address: str = typer.Option("127.0.0.1:9000", help="gRPC address of the service"),
+    app_name: str = typer.Option("adaptspec", "--app"),
+    concurrency: str = typer.Option("1,4,16", help="comma-separated concurrency levels"),
+    classes: str = typer.Option("chat,code_edit,extraction", help="comma-separated request classes"),
+    duration: float = typer.Option(20.0, help="seconds per level"),
+    max_tokens: int = typer.Option(64),
+    policies: str = typer.Option("", help="comma-separated policies to compare via UpdatePolicy "
+                                          "(e.g. thompson,static:none:0,static:draft:4); empty: as deployed"),
+    warmup: float = typer.Option(5.0, help="seconds of load before each measured level (learning)"),
+    slo_ttft: float = typer.Option(2.0, help="TTFT SLO (s) for goodput"),
+    slo_tpot: float = typer.Option(0.25, help="TPOT SLO (s) for goodput"),
+    overhead: int = typer.Option(0, help="also measure gRPC + Serve overhead over the in-process engine on "
+                                         "this many prompts (needs the service's models locally)"),
+    target: str = typer.Option("smollm2-135m", help="model for the in-process overhead baseline"),
+    torch_threads: int = typer.Option(1, help="torch threads of the in-process baseline (match the replica)"),
+    json_path: Optional[str] = typer.Option(None, "--json", help="write results to this JSON file"),
+) -> None:
+    """Closed-loop load on loopback gRPC: TTFT, TPOT, E2E p50/p99, throughput, goodput, arms."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from adaptspec.serve.client import Client
+    from adaptspec.serve.loadtest import LoadSpec, as_json, measure_overhead, run_level, summarize, top_arm
+
+    console = Console()
+    spec = LoadSpec([c for c in classes.split(",") if c], max_tokens, slo_ttft, slo_tpot)
+    levels = [int(x) for x in concurrency.split(",") if x]
+    results = []
+    over = None
+    with Client(address, app_name) as c:
+        c.wait_ready(30)
+        deployed = c.policy().policy
+        for pol in [p for p in policies.split(",") if p] or [deployed]:
+            if pol != c.policy().policy:
+                c.update_policy(pol)
+            for n in levels:
+                if warmup > 0:
+                    run_level(c, n, warmup, spec)
+                recs, wall = run_level(c, n, duration, spec)
+                s = summarize(pol, n, recs, wall, spec)
+                results.append(s)
+                console.print(f"{pol:>18} c={n:<3} {s.throughput_tokens_per_s:7.1f} tok/s  goodput "
+                              f"{s.goodput_requests_per_s:5.2f} req/s  e2e p50 {s.e2e_p50_s:.2f}s  "
+                              f"arms {', '.join(f'{k}:{top_arm(v)}' for k, v in s.arms.items())}")
+        if policies and deployed != c.policy().policy:
+            c.update_policy(deployed)
+        if overhead:
+            def factory():
+                import torch
+
+                from adaptspec import Engine
+
+                torch.set_num_threads(torch_threads)
+                return Engine.from_pretrained(target, max_num_seqs=1)
+
+            over = measure_overhead(c, factory, overhead, LoadSpec(["default"], max_tokens, arm=("none", 0)))
+            console.print(f"overhead (gRPC + Serve over the in-process engine, p50): "
+                          f"{over['overhead_p50_s'] * 1e3:.1f} ms (service {over['service_e2e_p50_s']:.3f}s, "
+                          f"engine {over['engine_e2e_p50_s']:.3f}s, {over['requests']} requests)")
+    t = Table(title="loadtest")
+    for col in ("policy", "conc.", "req", "err", "tok/s", "goodput req/s", "TTFT p50/p99", "TPOT p50/p99",
+                "E2E p50/p99", "arms (top per class)"):
+        t.add_column(col)
+    for s in results:
+        t.add_row(s.policy, str(s.concurrency), str(s.requests), str(s.errors), f"{s.throughput_tokens_per_s:.1f}",
+                  f"{s.goodput_requests_per_s:.2f}", f"{s.ttft_p50_s:.2f}/{s.ttft_p99_s:.2f}",
+                  f"{s.tpot_p50_s * 1e3:.0f}/{s.tpot_p99_s * 1e3:.0f} ms", f"{s.e2e_p50_s:.2f}/{s.e2e_p99_s:.2f}",
+                  ", ".join(f"{k}:{top_arm(v)}" for k, v in s.arms.items()))
+    console.print(t)
+    if json_path:
+        with open(json_path, "w") as f:
+            f.write(as_json(results, over))
+        console.print(f"wrote {json_path}")
+
+
+@fail_cleanly
+def demo(
+    config: Optional[str] = typer.Option(None, help="service config YAML (default: embedded SmolLM2 + draft)"),
+    levels: str = typer.Option("1,4,8,16,8,4,1", help="the concurrency ramp"),
+    level_seconds: float = typer.Option(10.0, help="seconds per ramp level"),
+    max_tokens: int = typer.Option(48),
+    plot: str = typer.Option("adaptspec_demo.png", help="where to write the PNG plot"),
+    keep_running: bool = typer.Option(True, help="leave the service up until Ctrl-C"),
+) -> None:
+    """Start the embedded service, ramp mixed-class load through gRPC, show what the controller picks."""
+    from adaptspec.serve.demo import run_demo
+
+    run_demo(config, [int(x) for x in levels.split(",") if x], level_seconds, max_tokens, plot, keep_running)
