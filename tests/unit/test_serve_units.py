@@ -1,0 +1,134 @@
+"""Service pieces without Ray: drafter guards, the engine loop, the controller core, validation."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from adaptspec.serve.config import FaultInjection, ServiceConfig
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dir, tiny_draft_dir):
+    from adaptspec import Engine
+
+    def make(**kw):
+        return Engine.from_pretrained(str(tiny_dir), draft=str(tiny_draft_dir), max_num_seqs=kw.get("seqs", 4),
+                                      max_model_len=256)
+    return make
+
+
+PROMPTS = [[1, 2, 3, 1, 2, 3, 1, 2], [4, 5, 6], [7, 7, 7, 7, 8]]
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft"])
+def test_a_raising_drafter_means_plain_decoding_and_the_exact_output(engines, drafter):
+    from adaptspec import SamplingParams, SpecConfig
+    from adaptspec.serve.faults import guard_proposers
+
+    params = SamplingParams(max_new_tokens=40)
+    want = [o.token_ids for o in engines().generate(PROMPTS, params, SpecConfig("none", 0))]
+    eng = engines()
+    # fails on calls 3, 5, 7, ...: mid-stream, between good calls
+    guards = guard_proposers(eng, inject=FaultInjection(drafter=drafter, after_calls=2, every=2), cooldown_s=0.0)
+    got = [o.token_ids for o in eng.generate(PROMPTS, params, SpecConfig(drafter, 4))]
+    assert got == want
+    assert sum(g.faults for g in guards) > 0
+
+
+def _collect(loop_, req):
+    async def run():
+        return [c async for c in loop_.generate(req)]
+    return asyncio.run(run())
+
+
+def _req(rid, ids, n=8, **kw):
+    from adaptspec.engine.params import SamplingParams
+    from adaptspec.serve.types import EngineRequest
+
+    return EngineRequest(rid, "chat", SamplingParams(max_new_tokens=n, ignore_eos=True), prompt_token_ids=ids, **kw)
+
+
+def test_engine_loop_streams_exact_tokens_and_refuses_a_full_queue(engines):
+    from adaptspec import SamplingParams
+    from adaptspec.control import Arm
+    from adaptspec.serve.loop import EngineLoop
+    from adaptspec.serve.types import PolicySnapshot
+
+    want = engines().generate([PROMPTS[0]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].token_ids
+    loop_ = EngineLoop(engines(seqs=1), max_queued=0)
+    loop_.snapshot = PolicySnapshot(1, {"chat": Arm("ngram", 3)})
+    try:
+        chunks = _collect(loop_, _req("a", PROMPTS[0], 12))
+        assert [t for c in chunks for t in c.token_ids] == want and chunks[-1].finished
+        assert "ngram:3" in chunks[-1].arms
+
+        async def two():
+            first = loop_.generate(_req("b", PROMPTS[1], 200))
+            c1 = await first.__anext__()  # admitted and running: the only slot
+            refused = [c async for c in loop_.generate(_req("c", PROMPTS[2]))]
+            await first.aclose()  # the consumer goes away: abort, free the slot
+            return c1, refused
+
+        c1, refused = asyncio.run(two())
+        assert c1.token_ids and refused[0].error.code == "RESOURCE_EXHAUSTED"
+        for _ in range(100):
+            if not loop_.engine.requests and len(loop_.engine.scheduler.free_slots) == 1:
+                break
+            asyncio.run(asyncio.sleep(0.02))
+        assert not loop_.engine.requests and len(loop_.engine.scheduler.free_slots) == 1
+        bad = _collect(loop_, _req("d", [1, 99]))
+        assert bad[0].error.code == "INVALID_ARGUMENT" and "prompt_token_ids" in bad[0].error.message
+    finally:
+        loop_.stop()
+
+
+def test_controller_core_aggregates_pins_and_refuses_bad_updates():
+    from adaptspec.control import Arm, StepOutcome
+    from adaptspec.control.types import RequestOutcome
+    from adaptspec.serve.controller import ControlCore, PolicyUpdate
+    from adaptspec.serve.types import ClassDelta, ReplicaReport, ReplicaState
+
+    cfg = ServiceConfig.model_validate({"models": {"draft": None}, "classes": [
+        {"name": "chat", "pin": {"drafter": "ngram", "k": 3}}, {"name": "code_edit"}]})
+    core = ControlCore(cfg)
+    out = StepOutcome.from_requests([RequestOutcome("r", "code_edit", "ngram", 2, 1, 2)], batch_size=1,
+                                    num_prefill=0, verify_tokens=3, context_tokens=10, draft_s=0.001,
+                                    verify_s=0.01, other_s=0.001, wall_s=0.012)
+    snap = core.report(ReplicaReport(ReplicaState("r1", batch_size=1), [out],
+                                     [ClassDelta("code_edit", requests=1, drafted=2, accepted=1, emitted=2, steps=1)],
+                                     0.25))
+    assert snap.arm_for("chat") == Arm("ngram", 3)  # pinned
+    assert snap.arm_for("unknown") == snap.arms["default"]
+    assert snap.arm_for("code_edit").drafter in ("none", "ngram")  # no draft model configured
+    st = core.stats()
+    code = next(c for c in st.classes if c.request_class == "code_edit")
+    assert (code.requests, code.acceptance_rate, code.mean_accepted_length) == (1, 0.5, 2.0)
+    assert st.replicas[0].replica_id == "r1"
+    for upd, field in ((PolicyUpdate(policy="nope"), "policy"),
+                       (PolicyUpdate(pins=[("chat", Arm("draft", 2))]), "pin[0].arm.drafter"),
+                       (PolicyUpdate(pins=[("chat", Arm("ngram", 12))]), "pin[0].arm.k"),
+                       (PolicyUpdate(unpins=["code_edit"]), "unpin[0]"),
+                       (PolicyUpdate(policy="static:draft:2"), "policy")):
+        with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+            core.update(upd)
+    view = core.update(PolicyUpdate(policy="static:ngram:2", unpins=["chat"]))
+    assert view.policy == "static:ngram:2" and all(arm == "ngram:2" and not p for _, arm, p in view.classes)
+
+
+def test_validation_names_the_field_and_resolves_classes():
+    from adaptspec.serve.client import request
+    from adaptspec.serve.convert import to_engine_request
+
+    cfg = ServiceConfig()
+    ok = to_engine_request(request("hi", request_class="poetry"), cfg, stream=False)
+    assert ok.request_class == "default" and ok.params.max_new_tokens == cfg.default_max_tokens
+    strict = ServiceConfig(strict_classes=True)
+    with pytest.raises(ValueError, match="request_class"):
+        to_engine_request(request("hi", request_class="poetry"), strict, stream=False)
+    for fields, field in ((dict(prompt="hi", top_k=-1), "top_k"), (dict(prompt="hi", stop=[""]), "stop"),
+                          (dict(prompt="hi", prompt_token_ids=[1]), "prompt"),
+                          (dict(prompt="hi", speculation=("none", 2)), "speculation.k"),
+                          (dict(prompt="hi", temperature=float("nan")), "temperature")):
+        with pytest.raises(ValueError, match=field):
+            to_engine_request(request(**fields), cfg, stream=False)
