@@ -132,3 +132,14 @@ def test_validation_names_the_field_and_resolves_classes():
                           (dict(prompt="hi", temperature=float("nan")), "temperature")):
         with pytest.raises(ValueError, match=field):
             to_engine_request(request(**fields), cfg, stream=False)
+
+
+def test_ingress_and_controller_replicas_stay_torch_free():
+    import subprocess
+    import sys
+
+    code = ("import sys, adaptspec.serve.ingress, adaptspec.serve.controller, adaptspec.serve.app; "
+            "bad = [m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith('adaptspec.models')]; "
+            "print(bad); sys.exit(1 if bad else 0)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
