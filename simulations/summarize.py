@@ -91,6 +91,37 @@ def sweep_goals(d: dict) -> list[str]:
     return out
 
 
+def shift_lines(d: dict, cls: str = "chat", at: float = 150.0) -> list[str]:
+    out = [f"Mean chosen k of `{cls}` per 5 s bin around the shift at {at:g} s (draft acceptance 0.8-0.5 -> 0.3); "
+           "`draft` arms count their k, n-gram arms too:", "",
+           "| policy | " + " | ".join(f"{t:+g} s" for t in (-15, -5, 5, 10, 15, 25, 45, 95)) + " |", "|---|" + "---|" * 8]
+    for r in d["runs"]:
+        if r["policy"].startswith("static"):
+            continue
+        ts = r["timeline_s"]
+        ks = r["timeline_k"][cls]
+        cells = []
+        for dt in (-15, -5, 5, 10, 15, 25, 45, 95):
+            i = min(range(len(ts)), key=lambda j: abs(ts[j] - (at + dt)))
+            cells.append("-" if ks[i] is None else f"{ks[i]:.1f}")
+        out.append(f"| {r['policy']} | " + " | ".join(cells) + " |")
+    return out
+
+
+def overload_lines(d: dict) -> list[str]:
+    out = []
+    for rate in sorted({r["rate_rps"] for r in d["runs"]}):
+        runs = [r for r in d["runs"] if r["rate_rps"] == rate]
+        top = max(runs, key=lambda r: r["output_token_throughput"])
+        none = next(r for r in runs if r["policy"] == "static-none")
+        out.append(f"- {rate:g} rps: highest token throughput {top['policy']} {top['output_token_throughput']:.0f} tok/s; "
+                   + ", ".join(f"{r['policy']} {r['output_token_throughput']:.0f}" for r in runs if r["policy"] in
+                               ("thompson", "oracle", "static-none", "static-draft:2", "vllm-schedule"))
+                   + f"; best bandit / no speculation (tokens/s) "
+                   f"{max(r['output_token_throughput'] for r in runs if r['policy'] in BANDITS) / none['output_token_throughput']:.2f}")
+    return out
+
+
 def bursty_goals(d: dict) -> list[str]:
     g = {r["policy"]: r["goodput_rps"] for r in d["runs"]}
     best = max((b for b in g if b in BANDITS), key=g.get)
@@ -120,8 +151,8 @@ def interactive_goals(d: dict) -> list[str]:
 
 
 def main() -> None:
-    for name in ("h100_8b_load_sweep", "bursty_mixed", "class_shift", "interactive_batch", "trace_replay_conv",
-                 "cpu_bench_mirror", "speed_hour_20rps"):
+    for name in ("h100_8b_load_sweep", "h100_8b_overload", "bursty_mixed", "bursty_mixed_moderate", "class_shift",
+                 "interactive_batch", "trace_replay_conv", "cpu_bench_mirror", "speed_hour_20rps"):
         d = load(name)
         if d is None:
             print(f"\n## {name}: no results\n")
@@ -136,7 +167,11 @@ def main() -> None:
         print()
         if name == "h100_8b_load_sweep":
             print("\n".join(sweep_goals(d)))
-        elif name == "bursty_mixed":
+        elif name == "class_shift":
+            print("\n".join(shift_lines(d)))
+        elif name == "h100_8b_overload":
+            print("\n".join(overload_lines(d)))
+        elif name.startswith("bursty_mixed"):
             print("\n".join(bursty_goals(d)))
         elif name == "interactive_batch":
             print("\n".join(interactive_goals(d)))
