@@ -74,8 +74,10 @@ class ModelBasedThompson(Policy):
             p = post.sample(self._normals(post.a.size).reshape(post.a.shape), mom)
         else:
             p = mom[0]
-        out = np.ones(len(self.table.arms))
-        out[1:] += np.cumsum(np.cumprod(p, axis=1), axis=1).ravel()
+        out = np.empty(len(self.table.arms))
+        out[0] = 0.0
+        np.cumsum(np.cumprod(p, axis=1), axis=1, out=out[1:].reshape(p.shape))
+        out += 1.0
         return out
 
     def _normals(self, n: int) -> np.ndarray:

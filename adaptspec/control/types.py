@@ -162,16 +162,23 @@ class DecisionStats:
     decision_s_total: float = 0.0
     decision_s_max: float = 0.0
     observed_steps: int = 0
-    arm_counts: dict[str, dict[str, int]] = field(default_factory=dict)  # class -> arm -> n
+    _counts: dict = field(default_factory=dict)  # (class, Arm) -> n, kept cheap per decision
 
     def observe_decision(self, request_class: str, arm: Arm, seconds: float) -> None:
         self.decisions += 1
         self.decision_s_total += seconds
         if seconds > self.decision_s_max:
             self.decision_s_max = seconds
-        per = self.arm_counts.setdefault(request_class, {})
-        key = str(arm)
-        per[key] = per.get(key, 0) + 1
+        key = (request_class, arm)
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    @property
+    def arm_counts(self) -> dict[str, dict[str, int]]:
+        """class -> arm ("drafter:k" or "none") -> decisions."""
+        out: dict[str, dict[str, int]] = {}
+        for (c, arm), n in self._counts.items():
+            out.setdefault(c, {})[str(arm)] = n
+        return out
 
     @property
     def mean_decision_us(self) -> float:
