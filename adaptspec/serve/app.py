@@ -9,17 +9,26 @@ from adaptspec.serve.config import SERVICER_FUNCTION, ServiceConfig
 
 
 def build_app(config: ServiceConfig):
-    """The Serve application: Ingress -> TargetEngine replicas, with the Controller singleton."""
+    """The Serve application: Ingress -> TargetEngine replicas, with the Controller singleton
+    (and a Drafter replica holding the draft model when ``placement: disaggregated``)."""
     from adaptspec.serve.controller import Controller
     from adaptspec.serve.ingress import Ingress
     from adaptspec.serve.target import TargetEngine
 
     args = config.model_dump(mode="json")
     controller = Controller.bind(args)
+    drafter = None
+    if config.placement == "disaggregated":
+        from adaptspec.serve.drafter import Drafter
+
+        drafter = Drafter.options(
+            num_replicas=1,  # one shared Drafter keeps every request's mirror in one place (sticky)
+            ray_actor_options={"num_cpus": config.drafter.num_cpus, "num_gpus": config.drafter.num_gpus},
+        ).bind(args)
     target = TargetEngine.options(
         num_replicas=config.target.num_replicas,
         ray_actor_options={"num_cpus": config.target.num_cpus, "num_gpus": config.target.num_gpus},
-    ).bind(args, controller)
+    ).bind(args, controller, drafter)
     return Ingress.bind(args, target, controller)
 
 

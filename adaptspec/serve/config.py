@@ -32,7 +32,8 @@ class ModelsConfig(_Strict):
 
 class EngineOptions(_Strict):
     max_num_seqs: int = Field(16, ge=1, le=1024, description="KV slots: requests decoded together per replica")
-    max_model_len: int = Field(2048, ge=64, description="prompt + output tokens per request")
+    max_model_len: int = Field(1024, ge=64, description="prompt + output tokens per request (KV memory grows "
+                                                       "with max_num_seqs x max_model_len)")
     max_queued: int = Field(64, ge=0, description="requests waiting for a KV slot per replica before "
                                                   "RESOURCE_EXHAUSTED")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; null: num_cpus of the replica")
@@ -74,6 +75,10 @@ class ControllerOptions(_Strict):
     report_interval_s: float = Field(0.25, gt=0, le=10,
                                      description="how often replicas send step stats and get a policy snapshot")
     seed: int = Field(0, description="policy random seed")
+    cost_profile: str | None = Field(
+        "auto", description="step-cost prior for the model-based policy: a built-in profile name "
+                            "(e.g. cpu-smollm2-135m-fp32), a path to an `adaptspec calibrate` JSON, `auto` "
+                            "(the built-in CPU SmolLM2 profile when that is what runs) or null (learn online only)")
 
     @field_validator("policy")
     @classmethod

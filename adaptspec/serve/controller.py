@@ -14,7 +14,7 @@ from ray import serve
 
 from adaptspec.control import NO_SPEC, Arm, ClassTarget, Load
 from adaptspec.serve.config import ServiceConfig
-from adaptspec.serve.policies import AVAILABLE, make_policy
+from adaptspec.serve.policies import AVAILABLE, load_cost_prior, make_policy
 from adaptspec.serve.types import ClassDelta, PolicySnapshot, ReplicaReport, ReplicaState
 
 GOODPUT_WINDOW_S = 10.0
@@ -76,6 +76,9 @@ class ControlCore:
         self.max_k = config.controller.max_k
         self.targets = tuple(ClassTarget(c.name, c.tpot_s, c.ttft_s) for c in config.classes
                              if c.tpot_s is not None or c.ttft_s is not None)
+        m = config.models
+        self.prior_cost = load_cost_prior(config.controller.cost_profile, target=m.target, dtype=m.dtype,
+                                          device=m.device)
         self.policy_name = config.controller.policy
         self.policy = self._make(self.policy_name, "controller.policy")
         self.pins: dict[str, Arm] = {c.name: Arm(c.pin.drafter, c.pin.k) for c in config.classes if c.pin}
@@ -88,7 +91,7 @@ class ControlCore:
 
     def _make(self, name: str, field_name: str):
         return make_policy(name, drafters=self.drafters, max_k=self.max_k, targets=self.targets,
-                           seed=self.config.controller.seed, field=field_name)
+                           seed=self.config.controller.seed, prior_cost=self.prior_cost, field=field_name)
 
     # ---- replicas ------------------------------------------------------------------------
     def report(self, rep: ReplicaReport) -> PolicySnapshot:

@@ -85,8 +85,10 @@ def run_demo(config_path: str | None, levels: list[int], level_seconds: float, m
             console.print(f"\n[bold green]The service stays up.[/] {how_to_call(address, cfg.app_name)}\n"
                           "Ctrl-C stops it.")
             client.close()
-            wait_for_ctrl_c(console)
+            wait_for_ctrl_c(console)  # shuts the service down
             return
+    except KeyboardInterrupt:
+        console.print("\ninterrupted; shutting down...")
     finally:
         client.close()
     serve_app.stop()

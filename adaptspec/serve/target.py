@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 
 @serve.deployment(name="TargetEngine", max_ongoing_requests=1024, health_check_period_s=5)
 class TargetEngine:
-    async def __init__(self, config: dict, controller=None):
+    async def __init__(self, config: dict, controller=None, drafter=None):
         import torch
 
         from adaptspec import Engine
@@ -37,11 +37,15 @@ class TargetEngine:
         engine = await asyncio.to_thread(
             Engine.from_pretrained, cfg.models.target, draft=draft, dtype=cfg.models.dtype,
             device=cfg.models.device, max_num_seqs=cfg.engine.max_num_seqs, max_model_len=cfg.engine.max_model_len)
-        self.guards = guard_proposers(engine, inject=cfg.faults)
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # local testing mode
             self.replica_id = "local"
+        if drafter is not None:  # disaggregated placement: the draft model lives in Drafter replicas
+            from adaptspec.serve.drafter import RemoteDraftProposer
+
+            engine.proposers["draft"] = RemoteDraftProposer(drafter, self.replica_id)
+        self.guards = guard_proposers(engine, inject=cfg.faults)
         self.loop = EngineLoop(engine, max_queued=cfg.engine.max_queued, replica_id=self.replica_id,
                                faults_fn=lambda: sum(g.faults for g in self.guards))
         self.controller = controller

@@ -233,6 +233,30 @@ def test_unknown_class_goes_to_default(service):
     assert r.request_class == "default"
 
 
+def test_disaggregated_placement_end_to_end(service, reference, tiny_dir, tiny_draft_dir):
+    """The draft model in a Drafter replica: every class pinned to draft:3, outputs exact."""
+    from ray import serve
+
+    from adaptspec.serve import app
+
+    cfg = _config(tiny_dir, tiny_draft_dir, app_name="disagg", placement="disaggregated",
+                  drafter={"num_cpus": 0}, classes=[{"name": c, "pin": {"drafter": "draft", "k": 3}} for c in CLASSES])
+    serve.run(app.build_app(cfg), name="disagg", route_prefix="/disagg")
+    client = Client(service[1].address, app_name="disagg")
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            outs = list(pool.map(lambda i: client.generate(prompt_token_ids=_prompt(i), max_tokens=20,
+                                                           request_class=CLASSES[i % 4], timeout=120), range(6)))
+        for i, r in enumerate(outs):
+            assert list(r.token_ids) == reference(_prompt(i), 20)
+            assert any(a.arm.startswith("draft:") for a in r.speculation.arms)
+        assert sum(r.speculation.drafted for r in outs) > 0
+        assert client.stats().replicas[0].drafter_faults == 0
+    finally:
+        client.close()
+        serve.delete("disagg")
+
+
 @pytest.mark.slow
 def test_smollm_end_to_end(service, smollm_engine):
     """SmolLM2 and its draft behind the same proxy: greedy text equals the engine's."""
