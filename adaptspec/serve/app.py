@@ -51,6 +51,8 @@ def start(config: ServiceConfig, *, num_cpus: int | None = None) -> Running:
 
     if not ray.is_initialized():
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+        # Ray starts workers at niceness 15; the engine replica is the service, not background work
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False,
                  log_to_driver=False, configure_logging=True, logging_level="WARNING")
     serve.start(http_options={"host": config.host, "port": config.http_port},

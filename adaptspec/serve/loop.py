@@ -8,7 +8,8 @@ no RPC per token).
 
 Async-generator rules of ``EngineLoop.generate`` (the engine protocol the deployment uses):
 the first item is either an ``EngineChunk`` with ``error`` set (the request was refused:
-nothing runs) or the first tokens; the last item has ``finished=True``; if the consumer
+nothing runs) or the first tokens (only the final chunk for a unary request, ``stream``
+false); the last item has ``finished=True``; if the consumer
 stops iterating (cancel, deadline, disconnect) the request is aborted and its KV slot
 freed before the next step.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import logging
 import threading
 import time
@@ -55,6 +57,7 @@ class EngineLoop:
         self._stop = False
         self._lock = threading.Lock()  # guards _streams (admission count)
         self._drafters = ("none", *engine.proposers)
+        self._detok = copy.deepcopy(engine.tokenizer)  # the engine thread owns engine.tokenizer
         engine.step_listeners.append(self._step_stats.append)
         self._thread = threading.Thread(target=self._run, name="adaptspec-engine", daemon=True)
         self._thread.start()
@@ -89,9 +92,15 @@ class EngineLoop:
             if err is not None:
                 yield _error(req, INVALID_ARGUMENT, _field_message(err))
                 return
+            ids: list[int] = []
             while True:
                 chunk: EngineChunk = await stream.queue.get()
                 finished = chunk.finished
+                if req.stream:  # text deltas here, off the engine thread, with our own tokenizer copy
+                    ids += chunk.token_ids
+                    self._text_delta(stream, chunk, ids)
+                elif not finished:
+                    continue  # unary: only the final chunk crosses to the Ingress
                 yield chunk
                 if finished:
                     return
@@ -100,6 +109,14 @@ class EngineLoop:
                 self._post(("abort", req.request_id, None, None))
             with self._lock:
                 self._streams.pop(req.request_id, None)
+
+    def _text_delta(self, stream: _Stream, chunk: EngineChunk, ids: list[int]) -> None:
+        text = chunk.text if chunk.finished else self._detok.decode(ids, skip_special_tokens=True)
+        if chunk.finished or not text.endswith("\ufffd"):  # hold back a partial multi-byte character
+            chunk.text = text[len(stream.text):] if text.startswith(stream.text) else text
+            stream.text = text
+        else:
+            chunk.text = ""
 
     def take_step_stats(self) -> list:
         out = []
@@ -188,17 +205,11 @@ class EngineLoop:
         chunk = EngineChunk(out.request_id, list(out.new_token_ids), finished=out.finished,
                             finish_reason=out.finish_reason or "", prompt_tokens=len(out.prompt_token_ids),
                             completion_tokens=len(out.token_ids))
-        if stream.text_deltas:
-            text = out.text if out.finished else self.engine.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-            if out.finished or not text.endswith("\ufffd"):  # hold back a partial multi-byte character
-                chunk.text = text[len(stream.text):] if text.startswith(stream.text) else text
-                stream.text = text
         if out.finished:
             self._finished.append((stream.request_class, chunk.finish_reason, chunk.completion_tokens))
-            st = out.stats
+            chunk.text = out.text  # the whole text; generate() turns it into the last delta when streaming
             chunk.all_token_ids = list(out.token_ids)
-            if not stream.text_deltas:
-                chunk.text = out.text
+            st = out.stats
             if st is not None:
                 chunk.drafted, chunk.accepted, chunk.steps = st.drafted, st.accepted, st.steps
                 chunk.mean_accepted_length = st.mean_accepted_length

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 
 from ray import serve
@@ -31,6 +32,9 @@ class TargetEngine:
         from adaptspec.serve.metrics import ServiceMetrics
 
         cfg = self.config = ServiceConfig.model_validate(config)
+        # the engine thread releases the GIL in every torch op and must get it back quickly:
+        # a short switch interval keeps Serve's threads from holding it for 5 ms at a time
+        sys.setswitchinterval(0.0005)
         threads = cfg.engine.torch_threads or max(1, int(cfg.target.num_cpus or 1))
         torch.set_num_threads(threads)
         draft = cfg.models.draft if cfg.placement == "colocated" else None
