@@ -99,8 +99,11 @@ class EngineLoop:
                 if req.stream:  # text deltas here, off the engine thread, with our own tokenizer copy
                     ids += chunk.token_ids
                     self._text_delta(stream, chunk, ids)
-                elif not finished:
-                    continue  # unary: only the final chunk crosses to the Ingress
+                else:  # unary: only the final chunk crosses to the Ingress, with every token
+                    ids += chunk.token_ids
+                    if not finished:
+                        continue
+                    chunk.token_ids = ids
                 yield chunk
                 if finished:
                     return
