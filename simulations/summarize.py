@@ -152,7 +152,7 @@ def interactive_goals(d: dict) -> list[str]:
 
 def main() -> None:
     for name in ("h100_8b_load_sweep", "h100_8b_overload", "bursty_mixed", "bursty_mixed_moderate", "class_shift",
-                 "interactive_batch", "trace_replay_conv", "cpu_bench_mirror", "speed_hour_20rps"):
+                 "interactive_batch", "trace_replay_conv", "cpu_bench_mirror", "cpu_bench_calibrated", "speed_hour_20rps"):
         d = load(name)
         if d is None:
             print(f"\n## {name}: no results\n")

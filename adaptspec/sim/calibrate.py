@@ -41,7 +41,10 @@ def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_c
     X[:, -1] = [s.context_tokens for s in samples]
     y = np.array([s.verify_s for s in samples])
     coef, *_ = np.linalg.lstsq(X, y, rcond=None)
-    ctx = max(float(coef[-1]), 0.0)
+    ctx = float(coef[-1])
+    if not ctx >= 0.0:  # context and tokens moved together (or noise): fit the tokens alone
+        coef = np.array([np.median(y[tokens == v]) for v in levels] + [0.0])
+        ctx = 0.0
     verify = np.maximum.accumulate(np.maximum(coef[:-1], 1e-6))  # more tokens never cost less
     draft = [s for s in samples if s.drafter == "draft" and s.k > 0]
     batches = sorted({s.batch_size for s in draft})
@@ -72,26 +75,33 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
     arms = [("none", 0)] + [("ngram", k) for k in ks] + ([("draft", k) for k in ks] if draft else [])
     samples: list[StepSample] = []
     steps = max(repeats, 1)
-    for b in batch_sizes:
-        for drafter, k in arms:
-            ids = []
-            for _ in range(b):
-                # a repeated random phrase, so n-gram lookup finds candidates as in real text
-                phrase = rng.integers(100, vocab - 100, 16).tolist()
-                prompt = (phrase * (prompt_tokens // 16 + 1))[:prompt_tokens]
-                ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=(k + 1) * (steps + 2) + 2,
-                                                                     ignore_eos=True),
-                                              SpecConfig(drafter, k), raw=True))
-            engine.step()  # admission and prefill
-            for _ in range(steps):
-                engine.step()
-                st = engine.last_step
-                if st is None or st.batch_size != b:
-                    break
-                samples.append(StepSample(b, drafter, k, st.verify_tokens, st.context_tokens, st.verify_s,
-                                          st.draft_s, st.other_s))
-            for rid in ids:
-                engine.abort(rid)
+    from tqdm import tqdm
+
+    grid = [(b, d, k) for b in batch_sizes for d, k in arms]
+    for b, drafter, k in tqdm(grid, desc="calibrate", unit="point"):
+        ids = []
+        for _ in range(b):
+            # a repeated random phrase, so n-gram lookup finds candidates as in real text
+            phrase = rng.integers(100, vocab - 100, 16).tolist()
+            prompt = (phrase * (prompt_tokens // 16 + 1))[:prompt_tokens]
+            ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=(k + 1) * (steps + 2) + 2,
+                                                                 ignore_eos=True),
+                                          SpecConfig(drafter, k), raw=True))
+        engine.step()  # admission and prefill
+        for _ in range(steps):
+            engine.step()
+            st = engine.last_step
+            if st is None or st.batch_size != b:
+                break
+            samples.append(StepSample(b, drafter, k, st.verify_tokens, st.context_tokens, st.verify_s,
+                                      st.draft_s, st.other_s))
+        for rid in ids:
+            engine.abort(rid)
+    with open(Path(out).with_suffix(".steps.csv"), "w") as f:  # the raw measurements, for the record
+        f.write("batch_size,drafter,k,verify_tokens,context_tokens,verify_s,draft_s,other_s\n")
+        for x in samples:
+            f.write(f"{x.batch_size},{x.drafter},{x.k},{x.verify_tokens},{x.context_tokens},{x.verify_s:.6f},"
+                    f"{x.draft_s:.6f},{x.other_s:.6f}\n")
     kv = max_seqs * engine.config.max_model_len
     prof = fit_profile(samples, name=f"{target} + {draft or 'no draft'} on {device} ({dtype}), calibrated",
                        max_num_seqs=max_seqs, kv_capacity_tokens=kv, max_batched_tokens=max(prompt_tokens * max_seqs, 512))

@@ -80,14 +80,17 @@ def register(app: typer.Typer) -> None:
         draft: Optional[str] = typer.Option(None, help="draft model spec"),
         dtype: str = typer.Option("bf16", help="dtype"),
         device: str = typer.Option("cpu", help="device"),
-        repeats: int = typer.Option(3, help="timed repeats per point"),
+        repeats: int = typer.Option(3, help="timed decode steps per (batch size, arm)"),
+        batch: str = typer.Option("1,2,4,8,16", help="batch sizes to measure, comma-separated"),
+        ks: str = typer.Option("2,4,8", help="k values to measure, comma-separated"),
     ) -> None:
         """Measure this machine's step costs with the live engine; write a profile JSON."""
         from adaptspec.sim.calibrate import calibrate as run
 
         try:
-            path = run(out, target=target, draft=draft, dtype=dtype, device=device, repeats=repeats)
-        except RuntimeError as e:
+            path = run(out, target=target, draft=draft, dtype=dtype, device=device, repeats=repeats,
+                       batch_sizes=tuple(int(x) for x in batch.split(",")), ks=tuple(int(x) for x in ks.split(",")))
+        except (RuntimeError, ValueError) as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2)
         typer.echo(f"wrote {path}")

@@ -32,3 +32,12 @@ def test_fit_profile_recovers_verify_context_draft_and_overhead():
 def test_fit_profile_needs_steps():
     with pytest.raises(ValueError, match="no steps"):
         fit_profile([], name="x", max_num_seqs=1, kv_capacity_tokens=1, max_batched_tokens=1)
+
+
+def test_fit_profile_falls_back_to_tokens_alone_when_context_is_confounded():
+    # context grows exactly with tokens and the times carry noise: the joint fit is unusable
+    samples = [StepSample(b, "none", 0, b, 100 * b, 0.04 + 0.001 * b + (0.003 if b % 2 else -0.003), 0.0, 0.001)
+               for b in (1, 2, 3, 4, 5, 6)]
+    prof = fit_profile(samples, name="x", max_num_seqs=6, kv_capacity_tokens=100, max_batched_tokens=64)
+    assert prof.verify_context_s_per_token >= 0.0
+    assert all(0.03 < v < 0.06 for v in prof.verify_s)

@@ -1,6 +1,6 @@
 """The oracle is at least as good as every static policy on every shipped scenario.
 
-Each scenario is run shortened (60 simulated seconds, 600 on the CPU profile; sweeps at their lowest, middle and
+Each scenario is run shortened (60 simulated seconds, 900 on CPU profiles; sweeps at their lowest, middle and
 highest rate) with the oracle and the scenario's static policies, on the same requests and
 seed. "At least as good": goodput not below any static policy's, with a tolerance of one
 request per window plus 2% for the sampling noise of accepted tokens (both see the same arrivals,
@@ -10,6 +10,10 @@ Past saturation (every policy meets its SLOs for under 60% of requests: the queu
 the whole run) goodput only says how long a policy held out before the queue swamped the
 TTFT SLO, so there the comparison is on output-token throughput (>= 0.99 x), the capacity
 each policy delivers. REPORT.md shows both numbers for the overload scenario.
+
+Known limit (see REPORT.md): the oracle plans one step at a time, so right at saturation it
+can trail static draft:2 on goodput; with 45 s instead of 60 s windows the overload
+scenario at 26 requests/s (not yet swamped that early) fails this test by 5%.
 """
 from pathlib import Path
 
@@ -29,9 +33,9 @@ def shortened(path):
         pytest.skip("../shared is absent: the trace replay scenario needs ../shared/data/traces")
     if sc.hardware.profile_file and not (base / sc.hardware.profile_file).exists():
         pytest.skip(f"{sc.hardware.profile_file} is absent")
-    # CPU steps are slow and requests few: give the CPU scenario 600 simulated seconds
-    cpu = (sc.hardware.profile or "").startswith("cpu")
-    update = {"duration_s": 600.0 if cpu else 60.0, "warmup_s": 10.0, "drain_s": 120.0 if cpu else 20.0}
+    # CPU steps are slow and requests few: give the CPU scenarios 900 simulated seconds
+    cpu = "cpu" in (sc.hardware.profile or sc.hardware.profile_file or "")
+    update = {"duration_s": 900.0 if cpu else 60.0, "warmup_s": 10.0, "drain_s": 600.0 if cpu else 20.0}
     for c in sc.classes:
         if c.shift is not None:  # keep the shift inside the shortened run
             c.shift.at_s = 30.0
