@@ -227,6 +227,13 @@ def test_drafter_that_raises_still_gives_the_target_output(service, reference):
         faulty.close()
 
 
+def test_server_reflection_lists_the_service(service):
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    _, client = service
+    assert "adaptspec.v1.AdaptSpec" in ProtoReflectionDescriptorDatabase(client.channel).get_services()
+
+
 def test_unknown_class_goes_to_default(service):
     _, client = service
     r = client.generate(prompt_token_ids=[1, 2], max_tokens=3, request_class="poetry", timeout=30)
