@@ -62,12 +62,6 @@ class TargetEngine:
         async for chunk in self.loop.generate(req):
             yield chunk
 
-    async def info(self) -> dict[str, object]:
-        eng = self.loop.engine
-        return {"replica_id": self.replica_id, "drafters": ["none", *eng.proposers],
-                "max_model_len": eng.config.max_model_len, "max_num_seqs": eng.config.max_num_seqs,
-                "in_flight": self.loop.num_in_flight, "running": len(eng.requests)}
-
     async def check_health(self) -> None:
         if not self.loop._thread.is_alive():
             raise RuntimeError("engine thread died")
