@@ -108,3 +108,18 @@ def _strict(schema):
     if isinstance(schema, list):
         return [_strict(v) for v in schema]
     return schema
+
+
+def test_cli_writes_a_serve_config(tmp_path):
+    pytest.importorskip("ray.serve")
+    from typer.testing import CliRunner
+
+    from adaptspec.cli import app
+
+    out = tmp_path / "serve.yaml"
+    res = CliRunner().invoke(app, ["serve", "--config", str(ROOT / "deploy" / "adaptspec.yaml"), "--port", "9100",
+                                   "--write-serve-config", str(out)])
+    assert res.exit_code == 0, res.output
+    data = yaml.safe_load(out.read_text())
+    check_serve_config(data)
+    assert data["grpc_options"]["port"] == 9100
