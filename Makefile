@@ -39,7 +39,7 @@ test: $(TEST_STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/adaptspec bench
 
-protos: $(STAMP)
+protos: $(TEST_STAMP)  # grpcio-tools comes with the test extra
 	$(PY) -m adaptspec.serve.protogen
 
 clean-venv:
