@@ -105,15 +105,31 @@ def run_bench(cfg: BenchConfig, json_path: str | None = None) -> list[BenchRow]:
                     ps = prompts[cls][:cfg.prompts_per_class]
                     prog.update(task, description=f"{dtype} batch {batch} {cls}")
                     rows += _bench_class(engine, hf, log, ps, cfg, dtype, batch, cls, prog, task)
+                    if json_path:  # rewritten after every class: a long run interrupted keeps its rows
+                        _write_json(json_path, cfg, rows)
             engine.step_listeners.remove(log)
     _print(con, rows)
     if json_path:
-        meta = {"machine": platform.processor() or platform.machine(), "torch": torch.__version__,
-                "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d"), "config": asdict(cfg)}
-        with open(json_path, "w") as f:
-            json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+        _write_json(json_path, cfg, rows)
         con.print(f"wrote {json_path}")
     return rows
+
+
+def _write_json(path: str, cfg: BenchConfig, rows: list[BenchRow]) -> None:
+    meta = {"machine": _cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "date": time.strftime("%Y-%m-%d"), "config": asdict(cfg)}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} x{torch.get_num_threads()} threads"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _params(n):
