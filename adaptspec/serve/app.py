@@ -54,6 +54,7 @@ def start(config: ServiceConfig, *, num_cpus: int | None = None) -> Running:
         # Ray starts workers at niceness 15; the engine replica is the service, not background work
         os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False,
+                 object_store_memory=512 * 1024**2,  # requests and stats are small; don't reserve 30% of RAM
                  log_to_driver=False, configure_logging=True, logging_level="WARNING")
     serve.start(http_options={"host": config.host, "port": config.http_port},
                 grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION],
