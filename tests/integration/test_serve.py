@@ -185,10 +185,13 @@ def _long(client: Client, **kw):
 
 def test_full_queue_is_resource_exhausted_and_cancel_frees_slots(service):
     _, client = service
+    _wait_for(lambda: _idle(client), "an idle replica")
+    # the proxy does not keep call order, so which requests run and which wait is not known:
+    # wait for all of them to be in flight (400 tokens each: the config's limit, seconds of
+    # work) rather than reading from the "first" ones
     streams = [_long(client) for _ in range(MAX_NUM_SEQS + MAX_QUEUED)]
-    firsts = [next(s) for s in streams[:MAX_NUM_SEQS]]  # running; the rest wait for a slot
-    assert all(f.token_ids for f in firsts)
     _wait_for(lambda: client.stats().replicas[0].in_flight == MAX_NUM_SEQS + MAX_QUEUED, "a full queue")
+    assert client.stats().replicas[0].free_slots == 0  # MAX_NUM_SEQS running, the rest queued
     with pytest.raises(grpc.RpcError) as err:
         client.generate(prompt_token_ids=[1, 2], max_tokens=4, timeout=30)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
