@@ -278,14 +278,11 @@ class Engine:
             logits, temperature, top_k if any_top_k else None, top_p if any_top_p else None,
             draft_ids, q, num_draft, u_accept, u_sample, max_num_draft_tokens=max_k)
 
-    def _param_tensors(self, seqs: list[Sequence], reps: torch.Tensor | None = None):
+    def _param_tensors(self, seqs: list[Sequence]):  # three [num_reqs] tensors
         dev = self.device
-        t = torch.tensor([s.params.temperature for s in seqs], device=dev)
-        k = torch.tensor([s.params.top_k for s in seqs], device=dev)
-        p = torch.tensor([s.params.top_p for s in seqs], device=dev)
-        if reps is not None:
-            t, k, p = (x.repeat_interleave(reps) for x in (t, k, p))
-        return t, k, p
+        return (torch.tensor([s.params.temperature for s in seqs], device=dev),
+                torch.tensor([s.params.top_k for s in seqs], device=dev),
+                torch.tensor([s.params.top_p for s in seqs], device=dev))
 
     def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:  # logits [B, vocab]
         out = logits.argmax(-1).tolist()
