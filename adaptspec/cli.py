@@ -21,11 +21,13 @@ def _register_all() -> None:
     from adaptspec.engine.cli import register as register_engine
     from adaptspec.sim.cli import register as register_sim
     from adaptspec.serve.cli import register as register_serve
+    from adaptspec.distill.cli import register as register_distill
 
     register_models(app)
     register_engine(app)
     register_sim(app)
     register_serve(app)
+    register_distill(app)
 
 
 _register_all()

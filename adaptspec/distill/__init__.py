@@ -1,1 +1,5 @@
-"""Draft co-design (distillation of a draft for a given target). Not built yet: see README "Status"."""
+"""Draft co-design: distil a draft (a feature-level head or an independent model) for a target.
+
+`adaptspec distill` (cli.py) runs corpus.py -> data.py -> train.py; head.py holds the head
+and its inference form.
+"""

@@ -15,13 +15,13 @@ from typing import Callable, Sequence as Seq
 import torch
 
 from adaptspec.engine.params import MAX_K, SamplingParams, SpecConfig
-from adaptspec.engine.proposers import Draft, DraftModelProposer, NgramProposer, Proposer
+from adaptspec.engine.proposers import Draft, DraftModelProposer, HeadProposer, NgramProposer, Proposer
 from adaptspec.engine.sampling import logits_to_probs, sample_from_probs
 from adaptspec.engine.scheduler import Scheduler
 from adaptspec.engine.sequence import RequestOutput, Sequence, Status
 from adaptspec.engine.stats import RequestStepStats, SpecStats, StepStats
 from adaptspec.engine import verifier
-from adaptspec.models.loader import LoadedModel, load_model
+from adaptspec.models.loader import LoadedHead, LoadedModel, load_draft, load_model
 
 log = logging.getLogger("adaptspec.engine")
 
@@ -41,7 +41,7 @@ class EngineConfig:
 
 
 class Engine:
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None,
+    def __init__(self, target: LoadedModel, draft: LoadedModel | LoadedHead | None = None,
                  config: EngineConfig | None = None):
         self.config = config or EngineConfig()
         self.target, self.draft = target, draft
@@ -52,10 +52,14 @@ class Engine:
         self.target.model.allocate_cache(self.config.max_num_seqs, cap)
         self.proposers: dict[str, Proposer] = {
             "ngram": NgramProposer(self.config.ngram_max_n, self.config.ngram_min_n)}
-        if draft is not None:
+        if isinstance(draft, LoadedHead):  # a feature-level head drafts from the target's features
+            draft.model.allocate_cache(self.config.max_num_seqs, cap)
+            self.proposers["draft"] = HeadProposer(draft.model)
+        elif draft is not None:
             check_same_vocab(target, draft)
             draft.model.allocate_cache(self.config.max_num_seqs, cap)
             self.proposers["draft"] = DraftModelProposer(draft.model)
+        self._feature_sinks = [p for p in self.proposers.values() if p.wants_hidden]
         self.scheduler = Scheduler(self.config.max_num_seqs, cap)
         self.requests: dict[str, Sequence] = {}
         self.eos_ids = _eos_ids(target)
@@ -72,7 +76,7 @@ class Engine:
         """Load models by alias, folder, .gguf or hub id. ``config``: EngineConfig fields."""
         cfg = EngineConfig(**config)
         t = load_model(target, dtype=dtype, device=device, quiet=True)
-        d = load_model(draft, dtype=dtype, device=device, quiet=True) if draft else None
+        d = load_draft(draft, t, dtype=dtype, device=device, quiet=True) if draft else None
         return cls(t, d, cfg)
 
     # ---- requests --------------------------------------------------------------------
@@ -188,7 +192,10 @@ class Engine:
             ids[r, :len(s.token_ids)] = torch.tensor(s.token_ids)
         lens = [len(s.token_ids) for s in seqs]
         last = torch.tensor([r * T + n - 1 for r, n in enumerate(lens)], device=dev)
-        logits, _ = m.forward(ids, [s.slot for s in seqs], [0] * len(seqs), lens, last)
+        logits, hidden = m.forward(ids, [s.slot for s in seqs], [0] * len(seqs), lens, last)
+        for prop in self._feature_sinks:
+            for r, s in enumerate(seqs):
+                prop.observe_hidden(s, 0, hidden[r, :lens[r]])
         first = self._sample_rows(seqs, logits)
         now = time.perf_counter()
         for s, tok in zip(seqs, first):
@@ -300,6 +307,8 @@ class Engine:
         for r, (s, k, d, toks) in enumerate(zip(batch, ks, drafts, emitted)):
             before, accepted = len(s.token_ids), len(toks) - 1
             s.num_computed = before + accepted
+            for sink in self._feature_sinks:  # the target's features at positions before-1 ..
+                sink.observe_hidden(s, before - 1, hidden[r, :accepted + 1])
             prop = self.proposers.get(s.spec.drafter)
             if prop is not None and k > 0:
                 h = hidden[r, :accepted + 1] if prop.wants_hidden else None

@@ -12,7 +12,10 @@ The interface is narrow on purpose:
   co-design issue) keeps the features to draft from next step.
 * ``release(seq)``: the sequence left the engine.
 
-``wants_hidden`` tells the engine whether to slice hidden states for this proposer.
+``wants_hidden`` tells the engine whether to slice hidden states for this proposer. Such a
+proposer also gets ``observe_hidden(seq, position, hidden)`` for EVERY running sequence at
+prefill and after every verification, whichever drafter the sequence uses at the time, so a
+request the controller switches to the head mid-way has its features.
 """
 from __future__ import annotations
 
@@ -45,6 +48,9 @@ class Proposer:
 
     def release(self, seq: Sequence) -> None:
         pass
+
+    def observe_hidden(self, seq: Sequence, position: int, hidden: torch.Tensor) -> None:
+        """The target's features at ``position ..`` (only for ``wants_hidden`` proposers)."""
 
 
 class NgramProposer(Proposer):
@@ -153,3 +159,102 @@ class DraftModelProposer(Proposer):
 
     def release(self, seq) -> None:
         seq.draft_computed = 0
+
+
+class HeadProposer(Proposer):
+    """A feature-level draft head (EAGLE-style, ``adaptspec.distill.head``).
+
+    Head entry ``j`` holds (target feature f_j, token x_{j+1}). Before drafting, the
+    target features observed since the last step are fed as one batched pass; its last
+    entry predicts the first candidate. Each further candidate feeds the head's own
+    feature and the previous candidate. Candidates past the first rejection are never
+    committed: ``head_computed`` only advances over target features, so the next feed
+    overwrites them.
+    """
+
+    name = "draft"
+    wants_hidden = True
+
+    def __init__(self, head):  # adaptspec.distill.head.HeadModel
+        self.head = head
+
+    def observe_hidden(self, seq, position, hidden) -> None:
+        if seq.head_broken:
+            return
+        expected = seq.head_pending_from + sum(h.shape[0] for h in seq.head_pending)
+        if not seq.head_pending:
+            seq.head_pending_from = expected = seq.head_computed
+        if position != expected:  # cannot happen when every step is observed; never guess
+            seq.head_broken, seq.head_pending = True, []
+            return
+        seq.head_pending.append(hidden.detach().clone())
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        head, dev = self.head, self.head.device
+        drafts = [Draft([], None) for _ in seqs]
+        active = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0 and not s.head_broken
+                  and s.head_pending and s.head_pending_from + sum(h.shape[0] for h in s.head_pending)
+                  == len(s.token_ids) - 1]
+        if not active:
+            return drafts
+        rows = [seqs[i] for i in active]
+        feats = [torch.cat(s.head_pending) for s in rows]
+        n_tok = [f.shape[0] for f in feats]
+        T = max(n_tok)
+        H = feats[0].shape[1]
+        F_in = torch.zeros(len(rows), T, H, dtype=head.dtype, device=dev)
+        ids = torch.zeros(len(rows), T, dtype=torch.long, device=dev)
+        for r, (s, f) in enumerate(zip(rows, feats)):
+            F_in[r, :f.shape[0]] = f.to(dev, head.dtype)
+            start = s.head_pending_from
+            ids[r, :f.shape[0]] = torch.tensor(s.token_ids[start + 1:start + 1 + f.shape[0]])
+        last = torch.tensor([r * T + n - 1 for r, n in enumerate(n_tok)], device=dev)
+        logits, g = head.forward(F_in, ids, [s.slot for s in rows], [s.head_pending_from for s in rows], n_tok, last)
+        for s, n in zip(rows, n_tok):
+            s.head_computed = s.head_pending_from + n
+            s.head_pending = []
+        g_last = g.reshape(-1, H).index_select(0, last)  # [R, H]
+        stoch: list[list[torch.Tensor]] = [[] for _ in seqs]
+        step = 0
+        while True:
+            tokens = self._sample(rows, logits, [stoch[i] for i in active])
+            for r, i in enumerate(active):
+                drafts[i].token_ids.append(tokens[r])
+            step += 1
+            keep = [r for r, i in enumerate(active) if ks[i] > step]
+            if not keep:
+                break
+            active = [active[r] for r in keep]
+            sel = torch.tensor(keep, device=dev)
+            g_last = g_last.index_select(0, sel)
+            rows = [rows[r] for r in keep]
+            nxt = torch.tensor([[tokens[r]] for r in keep], device=dev)
+            logits, g = head.forward(g_last[:, None], nxt, [s.slot for s in rows],
+                                     [s.head_computed + step - 1 for s in rows], [1] * len(rows))
+            g_last = g[:, 0]
+        for i, d in enumerate(drafts):
+            if stoch[i]:
+                d.probs = head.full_probs(torch.stack(stoch[i]))
+        return drafts
+
+    def _sample(self, rows: list[Sequence], logits: torch.Tensor, probs_out: list[list[torch.Tensor]]) -> list[int]:
+        head = self.head
+        out = head.to_target_ids(logits.argmax(-1)).tolist()
+        idx = [r for r, s in enumerate(rows) if not s.params.greedy]
+        if not idx:
+            return out
+        sub = [rows[r] for r in idx]
+        dev = logits.device
+        probs = logits_to_probs(logits[idx].float(),
+                                torch.tensor([s.params.temperature for s in sub], device=dev),
+                                torch.tensor([s.params.top_k for s in sub], device=dev),
+                                torch.tensor([s.params.top_p for s in sub], device=dev))
+        u = torch.cat([torch.rand(1, generator=s.generator, device=s.generator.device) for s in sub]).to(dev)
+        tok = head.to_target_ids(sample_from_probs(probs, u)).tolist()
+        for j, r in enumerate(idx):
+            out[r] = tok[j]
+            probs_out[r].append(probs[j])
+        return out
+
+    def release(self, seq) -> None:
+        seq.head_computed, seq.head_pending, seq.head_pending_from, seq.head_broken = 0, [], 0, False

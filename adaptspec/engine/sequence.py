@@ -38,6 +38,11 @@ class Sequence:
     # final hidden states of the target at the last verified positions [n, hidden], for
     # feature-level draft heads; set only when a proposer asks for them
     last_hidden: torch.Tensor | None = None
+    # draft head state: entries in the head's KV slot, and target features not fed to it yet
+    head_computed: int = 0
+    head_pending: list = field(default_factory=list)  # [m_i, hidden] tensors, contiguous positions
+    head_pending_from: int = 0  # position of the first pending feature
+    head_broken: bool = False  # a gap in the features: this sequence cannot use the head
 
     @property
     def output_ids(self) -> list[int]:

@@ -160,12 +160,14 @@ class LlamaModel:
         cache_lens: list[int],  # [B] tokens already in each slot
         num_tokens: list[int],  # [B] real (non-padding) tokens of each row, >= 1
         logits_rows: torch.Tensor | None = None,  # [N] flat indices b*T+t wanting logits; None: all
+        inputs_embeds: torch.Tensor | None = None,  # [B, T, hidden] instead of embedding input_ids
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the new tokens of each row over its cached prefix and extend the cache.
 
         Returns ``(logits, hidden)``: logits ``[N, vocab]`` for the requested rows and the
         final (normed) hidden states ``[B, T, hidden]`` of every position, which a
-        feature-level draft head can consume at no extra cost.
+        feature-level draft head can consume at no extra cost. A draft head passes its own
+        ``inputs_embeds`` (``input_ids`` then only gives the shape).
         """
         c, dev = self.cfg, self.device
         B, T = input_ids.shape
@@ -192,7 +194,7 @@ class LlamaModel:
             mask = mask[:, None]
         cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, D]
 
-        h = F.embedding(input_ids, self.embed)  # [B, T, hidden]
+        h = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds  # [B, T, hidden]
         nq, nkv, hd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
         for li, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
             x = F.rms_norm(h, (c.hidden_size,), ln1, c.rms_norm_eps)

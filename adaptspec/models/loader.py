@@ -67,3 +67,31 @@ def load_model(spec: str, dtype="float32", device="cpu", matmul: str | None = No
     model = LlamaModel(cfg, load_weights(folder), dt, dev, matmul)
     tok = AutoTokenizer.from_pretrained(folder)
     return LoadedModel(name=str(spec), path=folder, model=model, tokenizer=tok)
+
+
+@dataclass(slots=True)
+class LoadedHead:
+    """A feature-level draft head bound to its target (``adaptspec.distill.head``)."""
+
+    name: str
+    path: Path
+    model: object  # HeadModel
+    tokenizer: object  # the target's
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.cfg.target_vocab_size
+
+
+def load_draft(spec: str, target: LoadedModel, dtype="float32", device="cpu",
+               quiet: bool = False) -> LoadedModel | LoadedHead:
+    """A draft for ``target``: an independent model (any spec ``load_model`` takes) or a
+    draft head folder (``draft.json`` with kind "head"), which shares the target's
+    embedding and output layer."""
+    from adaptspec.distill.head import HeadModel, is_head_folder, load_head_state, read_head_config
+
+    folder = resolve(spec, quiet=quiet)
+    if is_head_folder(folder):
+        head = HeadModel(read_head_config(folder), load_head_state(folder), target.model)
+        return LoadedHead(name=str(spec), path=folder, model=head, tokenizer=target.tokenizer)
+    return load_model(spec, dtype=dtype, device=device, quiet=quiet)

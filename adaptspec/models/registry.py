@@ -55,6 +55,16 @@ DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-first4"
 
 
+def packaged_dir(alias: str) -> Path:
+    """A model shipped inside the package (``adaptspec/data/models/<alias>``)."""
+    from importlib import resources
+
+    folder = Path(str(resources.files("adaptspec").joinpath(f"data/models/{alias}")))
+    if not (folder / "model.safetensors").is_file():
+        raise ValueError(f"model {alias!r}: the packaged files are missing from {folder} (reinstall adaptspec)")
+    return folder
+
+
 def home() -> Path:
     """The cache root: ``$ADAPTSPEC_HOME`` or ``~/.cache/adaptspec``."""
     return Path(os.environ.get("ADAPTSPEC_HOME", Path.home() / ".cache" / "adaptspec")).expanduser()
@@ -82,6 +92,8 @@ def resolve(spec: str, *, pull_missing: bool = True, quiet: bool = False) -> Pat
     if not spec or not str(spec).strip():
         raise ValueError("model: empty model name")
     spec = str(spec)
+    if spec in BUILTIN and BUILTIN[spec].packaged:
+        return packaged_dir(spec)
     if spec in BUILTIN:
         folder = alias_dir(spec)
         if not is_complete(folder):
@@ -93,8 +105,9 @@ def resolve(spec: str, *, pull_missing: bool = True, quiet: bool = False) -> Pat
         return folder
     path = Path(spec).expanduser()
     if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ValueError(f"model folder {spec!r} has no config.json (expected a Hugging Face model folder)")
+        if not (path / "config.json").is_file() and not (path / "draft.json").is_file():
+            raise ValueError(f"model folder {spec!r} has no config.json (expected a Hugging Face model folder) "
+                             "and no draft.json (an adaptspec draft head)")
         return path
     if path.is_file() and path.suffix == ".gguf":
         from adaptspec.models.pull import convert_gguf_file
