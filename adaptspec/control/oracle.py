@@ -46,9 +46,10 @@ class OraclePolicy(Policy):
         self._lengths.clear()
 
     def _choose(self, request_class: str, load: Load) -> Arm:
-        others = {c: float(self.lengths(c)[self.table.index(s.arm)])
-                  for c, s in self.picture.classes.items() if c != request_class and s.share > 0}
-        i = self.planner.plan(request_class, load, self.picture, self.lengths(request_class), others, self.cost)
+        live = [(c, s.arm) for c, s in self.picture.classes.items() if c != request_class and s.share > 0]
+        others = {c: float(self.lengths(c)[self.table.index(arm)]) for c, arm in live}
+        budget = {c: self.table.budget_length(self.lengths(c), arm) for c, arm in live}
+        i = self.planner.plan(request_class, load, self.picture, self.lengths(request_class), others, self.cost, budget)
         return self.table.arms[i]
 
     def describe_targets(self) -> str:

@@ -7,9 +7,14 @@ context), scaled to the current batch size.
 
 Latency targets: a class with a TPOT target only takes arms whose predicted per-token
 latency (step time / accepted length) is within ``margin * target``; every class's arm must
-also keep the step time within the TPOT budget of every latency class in the batch. Among
-feasible arms the planner maximises goodput; when none is feasible, a latency class takes
-the arm with the lowest predicted TPOT and a throughput class the cheapest step.
+also keep the step time within the TPOT budget of every latency class in the batch (each
+class's budget computed with at least its best one-candidate accepted length, see
+``ArmTable.budget_length``). Among feasible arms the planner maximises goodput. When none is
+feasible (a long step: a burst of prefill, a full batch), it takes the arm with the smallest
+worst-case ratio of predicted step time to budget, i.e. the one that comes closest to every
+latency class's target (ties within ``RATIO_TIE`` broken by goodput); but while requests
+wait for admission (a backlog that only throughput clears, and whose TTFT depends on it) it
+takes the best goodput.
 """
 from __future__ import annotations
 
@@ -54,6 +59,16 @@ class ArmTable:
     def index(self, arm: Arm) -> int:
         """Position of ``arm``; an arm outside the table counts as no speculation."""
         return self.positions.get(arm, 0)
+
+    def budget_length(self, lengths: np.ndarray, arm: Arm) -> float:
+        """Accepted length a class's TPOT budget on the others is computed with: its current
+        arm's, but at least its best one-candidate arm's. Any class reaches that length for
+        about one draft token per request, so a class that dropped to no drafting for a step
+        must not shrink every other class's budget to one token per step (near saturation
+        that fed back into the whole batch collapsing to no speculation)."""
+        one = self.k == 1
+        floor = float(lengths[one].max()) if one.any() else 1.0
+        return max(float(lengths[self.index(arm)]), floor)
 
 
 @dataclass(slots=True)
@@ -101,6 +116,10 @@ class BatchPicture:
             slot.emitted_per_request += s * (emi / tot - slot.emitted_per_request)
 
 
+# ratios of predicted step time to budget closer than this are ties: the cost model's step
+# times are accurate to a few percent (the load sweep's mean predicted and observed step
+# times agree within 1-3%), so finer distinctions are noise and throughput breaks them
+RATIO_TIE = 0.02
 REFRESH_STEPS = 4  # the batch mix changes slowly: recompute it every few observed steps
 
 
@@ -124,7 +143,8 @@ class Planner:
     _mixes: dict[str, _Mix] = field(default_factory=dict)
     _version: int = -1
 
-    def _mix(self, request_class: str, picture: BatchPicture, others_length: dict[str, float]) -> _Mix:
+    def _mix(self, request_class: str, picture: BatchPicture, others_length: dict[str, float],
+             others_budget: dict[str, float] | None) -> _Mix:
         if picture.version - self._version >= REFRESH_STEPS or picture.version < self._version:
             self._mixes.clear()
             self._version = picture.version
@@ -147,7 +167,8 @@ class Planner:
             L_c = others_length.get(c, 1.0)
             tgt = self.targets.get(c)
             if tgt is not None and tgt.tpot_s is not None:
-                budget = min(budget, self.margin * tgt.tpot_s * L_c)
+                L_b = others_budget.get(c, L_c) if others_budget is not None else L_c
+                budget = min(budget, self.margin * tgt.tpot_s * L_b)
             w = s.share / other_total
             tokens += w * (s.arm.k + 1)
             emitted += w * L_c
@@ -166,10 +187,14 @@ class Planner:
         accepted_length: np.ndarray,  # [A] expected accepted length of each arm for this class
         others_length: dict[str, float],  # expected accepted length of other classes' arms
         cost: StepCostModel,
+        others_budget: dict[str, float] | None = None,  # accepted lengths for others' TPOT budgets
     ) -> int:
-        """Index (in the arm table) of the best feasible arm for ``request_class``."""
+        """Index (in the arm table) of the best feasible arm for ``request_class``.
+
+        ``others_budget`` (default: ``others_length``) gives the accepted length each other
+        latency class's TPOT budget is computed with (see ``ArmTable.budget_length``)."""
         t = self.table
-        mix = self._mix(request_class, picture, others_length)
+        mix = self._mix(request_class, picture, others_length, others_budget)
         B = max(load.batch_size, 1)
         n_c = max(B * mix.share, 1.0)
         n_o = max(B - n_c, 0.0)
@@ -194,5 +219,15 @@ class Planner:
             return int(np.argmax(goodput))
         masked = np.where(T <= limit, goodput, -np.inf)
         i = int(np.argmax(masked))
-        # nothing feasible: the target is out of reach this step, so take the best throughput
-        return i if masked[i] > -np.inf else int(np.argmax(goodput))
+        if masked[i] > -np.inf:
+            return i
+        # nothing feasible (a long step: a burst of prefill, a full batch). With requests
+        # waiting for admission, their TTFT hangs on throughput alone: take the best goodput.
+        # Otherwise the best goodput would hand the step to the very arms that make the
+        # latency classes miss; take the arm closest to every target instead, the smallest
+        # worst-case ratio of predicted step time to budget (T / limit), counting ratios
+        # within RATIO_TIE of it as ties that goodput breaks.
+        if load.queued > 0:
+            return int(np.argmax(goodput))
+        r = T / limit
+        return int(np.argmax(np.where(r <= r.min() * (1.0 + RATIO_TIE), goodput, -np.inf)))

@@ -53,6 +53,7 @@ class ModelBasedThompson(Policy):
         self._observed = 0
         self._mean_curves: dict[str, np.ndarray] = {}  # posterior-mean lengths, per observed step
         self._others: dict[str, float] = {}
+        self._others_budget: dict[str, float] = {}
         self._others_version = -(10**9)
         self._z = np.zeros(0)
         self._zpos = 0
@@ -91,16 +92,21 @@ class ModelBasedThompson(Policy):
     def _choose(self, request_class: str, load: Load) -> Arm:
         L = self._lengths(request_class, sample=True)
         if self.picture.version - self._others_version >= 8:  # refreshed every 8 observed steps
-            self._others = {c: self._mean_length(c, s.arm) for c, s in self.picture.classes.items() if s.share > 0}
+            live = [(c, s.arm) for c, s in self.picture.classes.items() if s.share > 0]
+            self._others = {c: self._mean_length(c, arm) for c, arm in live}
+            self._others_budget = {c: self.table.budget_length(self._mean_curve(c), arm) for c, arm in live}
             self._others_version = self.picture.version
-        i = self.planner.plan(request_class, load, self.picture, L, self._others, self.cost)
+        i = self.planner.plan(request_class, load, self.picture, L, self._others, self.cost, self._others_budget)
         return self.table.arms[i]
 
-    def _mean_length(self, request_class: str, arm: Arm) -> float:
+    def _mean_curve(self, request_class: str) -> np.ndarray:
         curve = self._mean_curves.get(request_class)
         if curve is None:
             curve = self._mean_curves[request_class] = self._lengths(request_class, sample=False)
-        return float(curve[self.table.index(arm)])
+        return curve
+
+    def _mean_length(self, request_class: str, arm: Arm) -> float:
+        return float(self._mean_curve(request_class)[self.table.index(arm)])
 
     def _observe(self, outcome: StepOutcome) -> None:
         self._observed += 1
@@ -116,4 +122,5 @@ class ModelBasedThompson(Policy):
 
     def describe_targets(self) -> str:
         return ("predicts each arm's TPOT (step time / accepted length) from its models and keeps every "
-                f"TPOT class within {self.ts.margin:g} x target; the rest of the step goes to throughput")
+                f"TPOT class within {self.ts.margin:g} x target; the rest of the step goes to throughput; "
+                "when no arm can, takes the arm closest to the targets unless requests wait for admission")

@@ -15,7 +15,7 @@ from adaptspec.control import (
     StepOutcome,
 )
 from adaptspec.control.acceptance import DiscountedBeta, accepted_length_curve, successes_failures
-from adaptspec.control.planner import BatchPicture, Planner, ArmTable
+from adaptspec.control.planner import RATIO_TIE, BatchPicture, Planner, ArmTable
 
 
 def test_arm_validation_and_normalisation():
@@ -108,6 +108,45 @@ def test_planner_keeps_a_throughput_class_within_a_latency_class_budget():
     # 17 ms + 4 ms (k + 1) <= 36 ms, i.e. k <= 3, and k = 3 has the best goodput among those.
     assert table.k[free] == 6
     assert table.k[tight] == 3
+
+
+def test_planner_without_a_feasible_arm_takes_the_one_closest_to_the_targets_unless_requests_queue():
+    class Linear:  # step time: 5 ms + 1 ms per verified token
+        def predict(self, verify, ctx, draft_other, n_class, k_draft, ngram, mean_ctx):
+            return 0.005 + 0.001 * np.asarray(verify, dtype=float)
+
+    table = ArmTable.build(("draft",), 8)
+    L = np.concatenate([[1.0], accepted_length_curve(np.full(8, 0.95))[1:]])
+    picture = BatchPicture()
+    picture.observe(_two_class_step())
+    # chat's 5 ms target leaves a budget of 0.9 * 5 ms * 2 = 9 ms; the step takes
+    # 5 ms + 12 ms (chat) + 4 ms (k + 1) >= 21 ms whatever the batch class picks: nothing fits.
+    planner = Planner(table, {"chat": ClassTarget("chat", tpot_s=0.005)})
+    idle = planner.plan("batch", Load(8, queued=0), picture, L, {"chat": 2.0}, Linear())
+    queued = planner.plan("batch", Load(8, queued=3), picture, L, {"chat": 2.0}, Linear())
+    # nobody waits: take the step that comes closest to chat's budget (the shortest, k = 0);
+    # requests wait for admission: their TTFT needs throughput, so take the best goodput (k = 6)
+    assert table.k[idle] == 0
+    assert table.k[queued] == 6
+    # a latency class with no feasible arm takes its own lowest predicted TPOT (T / L), ratios
+    # within RATIO_TIE of the lowest counting as ties that goodput breaks: batch's 4 requests
+    # verify 3 tokens each, chat's 4 verify k + 1; T / L is 7.17 ms at k = 8, 7.28 ms at k = 7
+    # (within 2%), 7.46 ms at k = 6 (not), and k = 7 emits more per second of step than k = 8
+    own = Planner(table, {"chat": ClassTarget("chat", tpot_s=0.001)}).plan(
+        "chat", Load(8), picture, L, {"batch": 2.0}, Linear())
+    T = 0.005 + 0.001 * (12 + 4 * (table.k + 1))
+    r = T / L
+    assert r[8] < r[7] <= r[8] * (1 + RATIO_TIE) < r[6]
+    assert table.k[own] == 7
+
+
+def test_budget_length_is_at_least_the_best_one_candidate_length():
+    table = ArmTable.build(("ngram", "draft"), 4)
+    # [none, ngram:1..4, draft:1..4]
+    lengths = np.array([1.0, 1.2, 1.3, 1.35, 1.4, 1.45, 1.65, 1.74, 1.78])
+    assert table.budget_length(lengths, NO_SPEC) == pytest.approx(1.45)  # draft:1 is the best k = 1
+    assert table.budget_length(lengths, Arm("ngram", 1)) == pytest.approx(1.45)
+    assert table.budget_length(lengths, Arm("draft", 3)) == pytest.approx(1.74)
 
 
 def _two_class_step():
