@@ -5,14 +5,14 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from adaptspec.serve.config import SERVICER_FUNCTION, ServiceConfig
+from adaptspec.serve.config import SERVICER_FUNCTIONS, ServiceConfig
 
 
 def build_app(config: ServiceConfig):
-    """The Serve application: Ingress -> TargetEngine replicas, with the Controller singleton
-    (and a Drafter replica holding the draft model when ``placement: disaggregated``)."""
+    """The Serve application: TargetEngine replicas (the ingress: they serve the gRPC methods
+    themselves, ``Ingress`` being their mixin), with the Controller singleton (and a Drafter
+    replica holding the draft model when ``placement: disaggregated``)."""
     from adaptspec.serve.controller import Controller
-    from adaptspec.serve.ingress import Ingress
     from adaptspec.serve.target import TargetEngine
 
     args = config.model_dump(mode="json")
@@ -25,11 +25,10 @@ def build_app(config: ServiceConfig):
             num_replicas=1,  # one shared Drafter keeps every request's mirror in one place (sticky)
             ray_actor_options={"num_cpus": config.drafter.num_cpus, "num_gpus": config.drafter.num_gpus},
         ).bind(args)
-    target = TargetEngine.options(
+    return TargetEngine.options(
         num_replicas=config.target.num_replicas,
         ray_actor_options={"num_cpus": config.target.num_cpus, "num_gpus": config.target.num_gpus},
     ).bind(args, controller, drafter)
-    return Ingress.bind(args, target, controller)
 
 
 def app_builder(args: dict):
@@ -57,7 +56,7 @@ def start(config: ServiceConfig, *, num_cpus: int | None = None) -> Running:
                  object_store_memory=512 * 1024**2,  # requests and stats are small; don't reserve 30% of RAM
                  log_to_driver=False, configure_logging=True, logging_level="WARNING")
     serve.start(http_options={"host": config.host, "port": config.http_port},
-                grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=[SERVICER_FUNCTION],
+                grpc_options=gRPCOptions(port=config.grpc_port, grpc_servicer_functions=SERVICER_FUNCTIONS,
                                          enable_reflection=True))
     serve.run(build_app(config), name=config.app_name, route_prefix=f"/{config.app_name}")
     return Running(config, f"127.0.0.1:{config.grpc_port}")

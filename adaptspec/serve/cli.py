@@ -197,13 +197,24 @@ def loadtest(
     max_tokens: int = typer.Option(64),
     policies: str = typer.Option("", help="comma-separated policies to compare via UpdatePolicy "
                                           "(e.g. thompson,static:none:0,static:draft:4); empty: as deployed"),
-    warmup: float = typer.Option(5.0, help="seconds of load before each measured level (learning)"),
+    warmup: float = typer.Option(5.0, help="seconds of load before each measured run (learning)"),
+    rounds: int = typer.Option(1, help="measured runs per policy and level, interleaving the policies "
+                                       "(seconds measured per policy and level: rounds x duration)"),
     slo_ttft: float = typer.Option(2.0, help="TTFT SLO (s) for goodput"),
     slo_tpot: float = typer.Option(0.25, help="TPOT SLO (s) for goodput"),
     overhead: int = typer.Option(0, help="also measure gRPC + Serve overhead over the in-process engine on "
                                          "this many prompts (needs the service's models locally)"),
-    target: str = typer.Option("smollm2-135m", help="model for the in-process overhead baseline"),
-    torch_threads: int = typer.Option(1, help="torch threads of the in-process baseline (match the replica)"),
+    overhead_reps: int = typer.Option(3, help="runs of each overhead prompt through each path"),
+    overhead_only: bool = typer.Option(False, help="measure only the overhead (no load levels)"),
+    config: Optional[str] = typer.Option(None, help="the service's config YAML: the in-process baseline "
+                                                    "copies its model, dtype, KV slots and torch threads"),
+    target: Optional[str] = typer.Option(None, help="model for the in-process baseline (default: the config's)"),
+    torch_threads: Optional[int] = typer.Option(None, help="torch threads of the in-process baseline "
+                                                           "(default: the replica's)"),
+    start: bool = typer.Option(False, "--start", help="first start the service of --config (default: the "
+                                                      "embedded one) in this process, and stop it at the end: "
+                                                      "one command, and the overhead baseline shares the "
+                                                      "service's CPU scheduling group"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write results to this JSON file"),
 ) -> None:
     """Closed-loop load on loopback gRPC: TTFT, TPOT, E2E p50/p99, throughput, goodput, arms."""
@@ -211,43 +222,64 @@ def loadtest(
     from rich.table import Table
 
     from adaptspec.serve.client import Client
-    from adaptspec.serve.loadtest import LoadSpec, as_json, measure_overhead, run_level, summarize, top_arm
+    from adaptspec.serve.loadtest import LoadSpec, as_json, run_level, summarize, top_arm
 
     console = Console()
     spec = LoadSpec([c for c in classes.split(",") if c], max_tokens, slo_ttft, slo_tpot)
     levels = [int(x) for x in concurrency.split(",") if x]
     results = []
     over = None
-    with Client(address, app_name) as c:
-        c.wait_ready(30)
-        deployed = c.policy().policy
-        for pol in [p for p in policies.split(",") if p] or [deployed]:
-            if pol != c.policy().policy:
-                c.update_policy(pol)
-            for n in levels:
-                if warmup > 0:
-                    run_level(c, n, warmup, spec)
-                recs, wall = run_level(c, n, duration, spec)
-                s = summarize(pol, n, recs, wall, spec)
-                results.append(s)
-                console.print(f"{pol:>18} c={n:<3} {s.throughput_tokens_per_s:7.1f} tok/s  goodput "
-                              f"{s.goodput_requests_per_s:5.2f} req/s  e2e p50 {s.e2e_p50_s:.2f}s  "
-                              f"arms {', '.join(f'{k}:{top_arm(v)}' for k, v in s.arms.items())}")
-        if policies and deployed != c.policy().policy:
-            c.update_policy(deployed)
-        if overhead:
-            def factory():
-                import torch
+    if start:
+        from adaptspec.serve.config import load_config
 
-                from adaptspec import Engine
+        cfg = load_config(config)
+        address, app_name = start_embedded(cfg, console), cfg.app_name
+    try:
+        with Client(address, app_name) as c:
+            c.wait_ready(30)
+            deployed = c.policy().policy
+            pols = [] if overhead_only else [p for p in policies.split(",") if p] or [deployed]
+            for n in levels if pols else []:
+                # rounds interleave the policies (order reversed every other round), so drift in
+                # the machine's load hits every policy alike; each run has its own warm-up
+                recs: dict[str, list] = {p: [] for p in pols}
+                walls = dict.fromkeys(pols, 0.0)
+                for r in range(rounds):
+                    for pol in pols if r % 2 == 0 else pols[::-1]:
+                        if pol != c.policy().policy:
+                            c.update_policy(pol)
+                        if warmup > 0:
+                            run_level(c, n, warmup, spec)
+                        got, wall = run_level(c, n, duration, spec)
+                        recs[pol] += got
+                        walls[pol] += wall
+                for pol in pols:
+                    s = summarize(pol, n, recs[pol], walls[pol], spec)
+                    results.append(s)
+                    console.print(f"{pol:>18} c={n:<3} {s.throughput_tokens_per_s:7.1f} tok/s  goodput "
+                                  f"{s.goodput_requests_per_s:5.2f} req/s  e2e p50 {s.e2e_p50_s:.2f}s  "
+                                  f"arms {', '.join(f'{k}:{top_arm(v)}' for k, v in s.arms.items())}")
+            if policies and deployed != c.policy().policy:
+                c.update_policy(deployed)
+            if overhead:
+                over = _overhead(c, overhead, overhead_reps, max_tokens, config, target, torch_threads)
+                console.print(
+                    f"overhead (gRPC + Serve over the in-process engine, {over['requests']} paired requests of "
+                    f"{max_tokens} tokens): p50 {over['overhead_p50_s'] * 1e3:.1f} ms, p90 "
+                    f"{over['overhead_p90_s'] * 1e3:.1f} ms, ratio p50 {over['ratio_p50']:.3f} (service "
+                    f"{over['service_e2e_p50_s'] * 1e3:.1f} ms, engine {over['engine_e2e_p50_s'] * 1e3:.1f} ms); "
+                    f"outside the replica's engine {over['outside_engine_p50_s'] * 1e3:.1f} ms, inside "
+                    f"{over['inside_engine_p50_s'] * 1e3:.1f} ms; same tokens {over['same_tokens']}/{over['requests']}")
+    finally:
+        if start:
+            from adaptspec.serve import app as serve_app
 
-                torch.set_num_threads(torch_threads)
-                return Engine.from_pretrained(target, max_num_seqs=1)
-
-            over = measure_overhead(c, factory, overhead, LoadSpec(["default"], max_tokens, arm=("none", 0)))
-            console.print(f"overhead (gRPC + Serve over the in-process engine, p50): "
-                          f"{over['overhead_p50_s'] * 1e3:.1f} ms (service {over['service_e2e_p50_s']:.3f}s, "
-                          f"engine {over['engine_e2e_p50_s']:.3f}s, {over['requests']} requests)")
+            serve_app.stop()
+    if overhead_only:
+        if json_path:
+            with open(json_path, "w") as f:
+                f.write(as_json([], over))
+        return
     t = Table(title="loadtest")
     for col in ("policy", "conc.", "req", "err", "tok/s", "goodput req/s", "TTFT p50/p99", "TPOT p50/p99",
                 "E2E p50/p99", "arms (top per class)"):
@@ -258,10 +290,44 @@ def loadtest(
                   f"{s.tpot_p50_s * 1e3:.0f}/{s.tpot_p99_s * 1e3:.0f} ms", f"{s.e2e_p50_s:.2f}/{s.e2e_p99_s:.2f}",
                   ", ".join(f"{k}:{top_arm(v)}" for k, v in s.arms.items()))
     console.print(t)
+    for line in adaptive_vs_static(results):
+        console.print(line)
     if json_path:
         with open(json_path, "w") as f:
             f.write(as_json(results, over))
         console.print(f"wrote {json_path}")
+
+
+def adaptive_vs_static(results) -> list[str]:
+    """Per level, each adaptive policy's throughput over the best static arm's (the goal: >= 0.95)."""
+    out = []
+    for n in sorted({s.concurrency for s in results}):
+        static = [s for s in results if s.concurrency == n and s.policy.startswith("static")]
+        if not static:
+            continue
+        best = max(static, key=lambda s: s.throughput_tokens_per_s)
+        for s in results:
+            if s.concurrency == n and not s.policy.startswith("static") and best.throughput_tokens_per_s > 0:
+                out.append(f"c={n}: {s.policy} / best static ({best.policy}) = "
+                           f"{s.throughput_tokens_per_s / best.throughput_tokens_per_s:.2f}")
+    return out
+
+
+def _overhead(client, n: int, reps: int, max_tokens: int, config: Optional[str], target: Optional[str],
+              torch_threads: Optional[int]) -> dict:
+    """Build an in-process engine like the service's replica and measure the paired overhead."""
+    import torch
+
+    from adaptspec import Engine
+    from adaptspec.serve.config import load_config
+    from adaptspec.serve.loadtest import bench_prompts, measure_overhead
+
+    cfg = load_config(config)
+    torch.set_num_threads(torch_threads or cfg.engine.torch_threads or max(1, int(cfg.target.num_cpus or 1)))
+    engine = Engine.from_pretrained(target or cfg.models.target, dtype=cfg.models.dtype, device=cfg.models.device,
+                                    max_num_seqs=cfg.engine.max_num_seqs, max_model_len=cfg.engine.max_model_len)
+    prompts = [p for ps in bench_prompts().values() for p in ps][:n]
+    return measure_overhead(client, engine, prompts, max_tokens, reps)
 
 
 @fail_cleanly

@@ -15,7 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_K = 16
 POLICIES = ("thompson", "ucb", "ema", "heuristic", "static")
 APP_IMPORT_PATH = "adaptspec.serve.app:app_builder"
-SERVICER_FUNCTION = "adaptspec.proto.adaptspec_pb2_grpc.add_AdaptSpecServicer_to_server"
+# the proxy registers these; Serve routes every method of them to the app's ingress deployment
+# (TargetEngine), which implements AdaptSpec and the standard grpc.health.v1.Health
+SERVICER_FUNCTIONS = ["adaptspec.proto.adaptspec_pb2_grpc.add_AdaptSpecServicer_to_server",
+                      "adaptspec.proto.health_pb2_grpc.add_HealthServicer_to_server"]
 
 
 class _Strict(BaseModel):
@@ -162,7 +165,7 @@ def serve_config(config: ServiceConfig) -> dict:
     return {
         "proxy_location": "EveryNode",
         "http_options": {"host": config.host, "port": config.http_port},
-        "grpc_options": {"port": config.grpc_port, "grpc_servicer_functions": [SERVICER_FUNCTION],
+        "grpc_options": {"port": config.grpc_port, "grpc_servicer_functions": SERVICER_FUNCTIONS,
                          "enable_reflection": True},
         "applications": [{
             "name": config.app_name,

@@ -135,31 +135,75 @@ def top_arm(per: dict[str, int]) -> str:
     return max(per.items(), key=lambda kv: kv[1])[0] if per else "-"
 
 
-def measure_overhead(client: Client, engine_factory, n: int, spec: LoadSpec) -> dict[str, float]:
-    """p50 E2E through gRPC + Serve minus the in-process engine's, same prompts, same fixed arm,
-    one request at a time (concurrency 1)."""
+@dataclass(slots=True)
+class OverheadPair:
+    """One prompt run once through the service (unary Generate over gRPC) and once through
+    the in-process engine, back to back (alternating which goes first)."""
+
+    service_s: float  # client-side wall time of the gRPC call
+    service_engine_s: float  # the replica's engine time for it (arrival to finish, from the response)
+    engine_s: float  # wall time of Engine.generate in this process
+    same_tokens: bool
+
+
+def measure_overhead(client: Client, engine, prompts: list[str], max_tokens: int, reps: int = 1,
+                     arm: tuple[str, int] = ("none", 0), warmup: int = 2) -> dict:
+    """gRPC + Serve overhead over the in-process engine, measured as paired differences.
+
+    Each prompt runs ``reps`` times through both paths back to back (greedy, ``ignore_eos`` so
+    both produce exactly ``max_tokens``, the same fixed arm, one request at a time), and the
+    order alternates, so drift in machine load hits both sides alike. Reported: p50 of each
+    side, p50 of the per-pair differences (the overhead) and of the ratios, and the split of
+    the difference into time outside the replica's engine (proxy, Ingress, Ray hops: client
+    wall minus the engine time the response reports) and time inside it (the engine running
+    slower in the replica than here).
+    """
     from adaptspec import SamplingParams, SpecConfig
 
-    prompts = [p for ps in bench_prompts().values() for p in ps][:n]
-    arm = spec.arm or ("none", 0)
-    svc = []
-    for p in prompts:
-        for _ in range(2):  # warm, then measure (unary Generate: the per-request path)
-            t0 = time.perf_counter()
-            client.generate(p, request_class="default", max_tokens=spec.max_tokens, speculation=arm, timeout=300)
-            dt = time.perf_counter() - t0
-        svc.append(dt)
-    engine = engine_factory()
-    local = []
-    for p in prompts:
-        for _ in range(2):  # warm, then measure
-            t0 = time.perf_counter()
-            engine.generate([p], SamplingParams(max_new_tokens=spec.max_tokens), SpecConfig(*arm))
-            dt = time.perf_counter() - t0
-        local.append(dt)
-    diffs = [a - b for a, b in zip(svc, local)]
-    return {"service_e2e_p50_s": float(np.median(svc)), "engine_e2e_p50_s": float(np.median(local)),
-            "overhead_p50_s": float(np.median(diffs)), "requests": len(prompts)}
+    params = SamplingParams(max_new_tokens=max_tokens, ignore_eos=True)
+    spec = SpecConfig(*arm)
+
+    def via_service(p: str):
+        t0 = time.perf_counter()
+        r = client.generate(p, request_class="default", max_tokens=max_tokens, speculation=arm,
+                            ignore_eos=True, timeout=300)
+        return time.perf_counter() - t0, r.timings.e2e_s, list(r.token_ids)
+
+    def in_process(p: str):
+        t0 = time.perf_counter()
+        out = engine.generate([p], params, spec)[0]
+        return time.perf_counter() - t0, list(out.token_ids)
+
+    for i in range(warmup):  # first calls pay for lazy init on both sides
+        via_service(prompts[i % len(prompts)])
+        in_process(prompts[i % len(prompts)])
+    pairs: list[OverheadPair] = []
+    for rep in range(reps):
+        for i, p in enumerate(prompts):
+            if (i + rep) % 2 == 0:
+                svc, svc_eng, a = via_service(p)
+                loc, b = in_process(p)
+            else:
+                loc, b = in_process(p)
+                svc, svc_eng, a = via_service(p)
+            pairs.append(OverheadPair(svc, svc_eng, loc, a == b))
+    return overhead_summary(pairs, max_tokens)
+
+
+def overhead_summary(pairs: list[OverheadPair], max_tokens: int) -> dict:
+    med = lambda xs: float(np.median(xs)) if xs else 0.0  # noqa: E731
+    return {
+        "requests": len(pairs),
+        "max_tokens": max_tokens,
+        "service_e2e_p50_s": med([p.service_s for p in pairs]),
+        "engine_e2e_p50_s": med([p.engine_s for p in pairs]),
+        "overhead_p50_s": med([p.service_s - p.engine_s for p in pairs]),
+        "overhead_p90_s": float(np.percentile([p.service_s - p.engine_s for p in pairs], 90)) if pairs else 0.0,
+        "ratio_p50": med([p.service_s / p.engine_s for p in pairs if p.engine_s > 0]),
+        "outside_engine_p50_s": med([p.service_s - p.service_engine_s for p in pairs]),
+        "inside_engine_p50_s": med([p.service_engine_s - p.engine_s for p in pairs]),
+        "same_tokens": sum(p.same_tokens for p in pairs),
+    }
 
 
 def as_json(levels: list[LevelSummary], overhead: dict | None = None) -> str:

@@ -8,8 +8,9 @@ no RPC per token).
 
 Async-generator rules of ``EngineLoop.generate`` (the engine protocol the deployment uses):
 the first item is either an ``EngineChunk`` with ``error`` set (the request was refused:
-nothing runs) or the first tokens (only the final chunk for a unary request, ``stream``
-false); the last item has ``finished=True``; if the consumer
+nothing runs) or the first tokens (for a unary request, ``stream`` false, only the final
+chunk, carrying every token: the engine thread posts nothing before it); the last item has
+``finished=True``; if the consumer
 stops iterating (cancel, deadline, disconnect) the request is aborted and its KV slot
 freed before the next step.
 """
@@ -64,6 +65,10 @@ class EngineLoop:
 
     # ---- caller side (any event loop) -----------------------------------------------------
     @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
@@ -99,11 +104,6 @@ class EngineLoop:
                 if req.stream:  # text deltas here, off the engine thread, with our own tokenizer copy
                     ids += chunk.token_ids
                     self._text_delta(stream, chunk, ids)
-                else:  # unary: only the final chunk crosses to the Ingress, with every token
-                    ids += chunk.token_ids
-                    if not finished:
-                        continue
-                    chunk.token_ids = ids
                 yield chunk
                 if finished:
                     return
@@ -203,9 +203,10 @@ class EngineLoop:
 
     def _deliver(self, out) -> None:
         stream = self._streams.get(out.request_id)
-        if stream is None:
-            return
-        chunk = EngineChunk(out.request_id, list(out.new_token_ids), finished=out.finished,
+        if stream is None or not (out.finished or stream.text_deltas):
+            return  # unary: only the final chunk wakes the caller's event loop, with every token
+        new_ids = out.new_token_ids if stream.text_deltas else out.token_ids
+        chunk = EngineChunk(out.request_id, list(new_ids), finished=out.finished,
                             finish_reason=out.finish_reason or "", prompt_tokens=len(out.prompt_token_ids),
                             completion_tokens=len(out.token_ids))
         if out.finished:

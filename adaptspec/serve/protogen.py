@@ -12,27 +12,32 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = ROOT / "protos"
-PROTO = "adaptspec/v1/adaptspec.proto"
 OUT = ROOT / "adaptspec" / "proto"
-FILES = ("adaptspec_pb2.py", "adaptspec_pb2.pyi", "adaptspec_pb2_grpc.py")
+# proto path -> generated module stem; the stubs of each land in adaptspec/proto
+PROTOS = {"adaptspec/v1/adaptspec.proto": "adaptspec", "grpc/health/v1/health.proto": "health"}
+FILES = tuple(f"{stem}{suffix}" for stem in PROTOS.values() for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"))
 
 
 def generate() -> dict[str, str]:
     """Return {file name: content} of freshly generated stubs."""
     from grpc_tools import protoc
 
+    out: dict[str, str] = {}
     with tempfile.TemporaryDirectory() as tmp:
         rc = protoc.main(["grpc_tools.protoc", f"-I{PROTO_ROOT}", f"--python_out={tmp}", f"--pyi_out={tmp}",
-                          f"--grpc_python_out={tmp}", str(PROTO_ROOT / PROTO)])
+                          f"--grpc_python_out={tmp}", *(str(PROTO_ROOT / p) for p in PROTOS)])
         if rc != 0:
             raise RuntimeError(f"protoc failed with exit code {rc}")
-        gen = Path(tmp) / "adaptspec" / "v1"
-        out = {name: (gen / name).read_text() for name in FILES}
-    out["adaptspec_pb2_grpc.py"] = out["adaptspec_pb2_grpc.py"].replace(
-        "from adaptspec.v1 import adaptspec_pb2", "from adaptspec.proto import adaptspec_pb2")
-    # message classes take their __module__ from this string; pickling (Ray) must import it
-    out["adaptspec_pb2.py"] = out["adaptspec_pb2.py"].replace(
-        "'adaptspec.v1.adaptspec_pb2'", "'adaptspec.proto.adaptspec_pb2'")
+        for proto, stem in PROTOS.items():
+            gen = Path(tmp) / Path(proto).parent
+            pkg = ".".join(Path(proto).parent.parts)  # the module path protoc assumed, e.g. adaptspec.v1
+            for suffix in ("_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
+                out[f"{stem}{suffix}"] = (gen / f"{stem}{suffix}").read_text()
+            out[f"{stem}_pb2_grpc.py"] = out[f"{stem}_pb2_grpc.py"].replace(
+                f"from {pkg} import {stem}_pb2", f"from adaptspec.proto import {stem}_pb2")
+            # message classes take their __module__ from this string; pickling (Ray) must import it
+            out[f"{stem}_pb2.py"] = out[f"{stem}_pb2.py"].replace(
+                f"'{pkg}.{stem}_pb2'", f"'adaptspec.proto.{stem}_pb2'")
     return out
 
 

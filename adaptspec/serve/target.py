@@ -1,6 +1,8 @@
-"""TargetEngine: one continuous-batching engine per replica, behind ``EngineLoop``.
+"""TargetEngine: one continuous-batching engine per replica, behind ``EngineLoop``; also the
+app's ingress (the gRPC methods of the ``Ingress`` mixin), so Serve's proxy hands each call
+straight to the replica whose engine runs it.
 
-Requests from every Ingress caller share the replica's batches. A report task sends the
+Requests from every caller share the replica's batches. A report task sends the
 engine's step stats to the Controller every ``controller.report_interval_s`` and installs
 the ``PolicySnapshot`` it answers with; a missing or failing Controller leaves the last
 snapshot in place (requests never wait on it).
@@ -16,13 +18,14 @@ from ray import serve
 
 from adaptspec.control.types import StepOutcome
 from adaptspec.serve.config import ServiceConfig
+from adaptspec.serve.ingress import Ingress
 from adaptspec.serve.types import EngineRequest, ReplicaReport
 
 log = logging.getLogger(__name__)
 
 
 @serve.deployment(name="TargetEngine", max_ongoing_requests=1024, health_check_period_s=5)
-class TargetEngine:
+class TargetEngine(Ingress):
     async def __init__(self, config: dict, controller=None, drafter=None):
         import torch
 
@@ -57,13 +60,15 @@ class TargetEngine:
         self._faults_reported = 0
         self._report_task = asyncio.get_running_loop().create_task(self._report_forever())
 
-    async def generate(self, req: EngineRequest):
-        """Stream ``EngineChunk``s for one request (rules in ``EngineLoop.generate``)."""
-        async for chunk in self.loop.generate(req):
-            yield chunk
+    def engine_stream(self, req: EngineRequest):
+        """``EngineChunk``s for one request (rules in ``EngineLoop.generate``)."""
+        return self.loop.generate(req)
+
+    def serving(self) -> bool:
+        return self.loop.alive
 
     async def check_health(self) -> None:
-        if not self.loop._thread.is_alive():
+        if not self.loop.alive:
             raise RuntimeError("engine thread died")
 
     async def _report_forever(self) -> None:

@@ -237,6 +237,27 @@ def test_server_reflection_lists_the_service(service):
     assert "adaptspec.v1.AdaptSpec" in ProtoReflectionDescriptorDatabase(client.channel).get_services()
 
 
+def test_standard_grpc_health_checking(service):
+    """grpc.health.v1.Health through Serve's proxy: Check for the server and the API service,
+    NOT_FOUND for other names, Watch streams the status. (This module runs several apps, so
+    the calls carry the `application` metadata; with one app the proxy routes them without.)"""
+    from adaptspec.proto import health_pb2, health_pb2_grpc
+
+    _, client = service
+    stub, ok = health_pb2_grpc.HealthStub(client.channel), health_pb2.HealthCheckResponse
+    for name in ("", "adaptspec.v1.AdaptSpec"):
+        r = stub.Check(health_pb2.HealthCheckRequest(service=name), metadata=client.metadata, timeout=30)
+        assert r.status == ok.SERVING
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Check(health_pb2.HealthCheckRequest(service="no.such.Service"), metadata=client.metadata, timeout=30)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    watch = stub.Watch(health_pb2.HealthCheckRequest(), metadata=client.metadata, timeout=30)
+    try:
+        assert next(watch).status == ok.SERVING
+    finally:
+        watch.cancel()
+
+
 def test_unknown_class_goes_to_default(service):
     _, client = service
     r = client.generate(prompt_token_ids=[1, 2], max_tokens=3, request_class="poetry", timeout=30)

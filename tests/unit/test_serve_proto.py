@@ -15,8 +15,10 @@ def test_stubs_are_fresh():
 
 def test_method_names_are_unique_for_the_proxy():
     # Serve's gRPC proxy routes on the method name alone
-    from adaptspec.proto import adaptspec_pb2
+    # across every service the proxy registers (the API and grpc.health.v1.Health)
+    from adaptspec.proto import adaptspec_pb2, health_pb2
 
-    names = [m.name for s in adaptspec_pb2.DESCRIPTOR.services_by_name.values() for m in s.methods]
+    names = [m.name for mod in (adaptspec_pb2, health_pb2)
+             for s in mod.DESCRIPTOR.services_by_name.values() for m in s.methods]
     assert len(names) == len(set(names))
-    assert {"Generate", "GenerateStream", "GetStats", "GetPolicy", "UpdatePolicy"} <= set(names)
+    assert {"Generate", "GenerateStream", "GetStats", "GetPolicy", "UpdatePolicy", "Check", "Watch"} <= set(names)

@@ -59,12 +59,14 @@ def test_engine_loop_streams_exact_tokens_and_refuses_a_full_queue(engines):
     loop_ = EngineLoop(engines(seqs=1), max_queued=0)
     loop_.snapshot = PolicySnapshot(1, {"chat": Arm("ngram", 3)})
     try:
-        chunks = _collect(loop_, _req("a", PROMPTS[0], 12))
+        chunks = _collect(loop_, _req("a", PROMPTS[0], 12, stream=True))
         assert [t for c in chunks for t in c.token_ids] == want and chunks[-1].finished
         assert "ngram:3" in chunks[-1].arms
+        unary = _collect(loop_, _req("a2", PROMPTS[0], 12))  # one chunk, every token: one wake-up
+        assert len(unary) == 1 and unary[0].finished and unary[0].token_ids == want
 
         async def two():
-            first = loop_.generate(_req("b", PROMPTS[1], 200))
+            first = loop_.generate(_req("b", PROMPTS[1], 200, stream=True))
             c1 = await first.__anext__()  # admitted and running: the only slot
             refused = [c async for c in loop_.generate(_req("c", PROMPTS[2]))]
             await first.aclose()  # the consumer goes away: abort, free the slot
@@ -163,3 +165,70 @@ def test_disaggregated_drafter_core_matches_the_colocated_draft(engines, tiny_di
     remote = eng.generate(PROMPTS, params, SpecConfig("draft", 3))
     assert [o.token_ids for o in remote] == [o.token_ids for o in colocated]
     assert sum(o.stats.accepted for o in remote) > 0
+
+
+class _Ctx:
+    def __init__(self):
+        self.code = self.details = None
+
+    def set_code(self, code):
+        self.code = code
+
+    def set_details(self, details):
+        self.details = details
+
+
+def test_health_check_answers_for_the_server_and_the_service_and_refuses_others():
+    import grpc
+
+    from adaptspec.proto import health_pb2
+    from adaptspec.serve.ingress import SERVICE_NAME, Ingress
+
+    class Host(Ingress):
+        up = True
+
+        def serving(self):
+            return self.up
+
+    host, ok = Host(), health_pb2.HealthCheckResponse
+    for name in ("", SERVICE_NAME):
+        assert asyncio.run(host.Check(health_pb2.HealthCheckRequest(service=name), _Ctx())).status == ok.SERVING
+    ctx = _Ctx()
+    asyncio.run(host.Check(health_pb2.HealthCheckRequest(service="other.Service"), ctx))
+    assert ctx.code == grpc.StatusCode.NOT_FOUND and "other.Service" in ctx.details
+    host.up = False  # the engine thread died
+    assert asyncio.run(host.Check(health_pb2.HealthCheckRequest(), _Ctx())).status == ok.NOT_SERVING
+
+    async def first_watch():
+        stream = host.Watch(health_pb2.HealthCheckRequest(service="other.Service"), _Ctx())
+        try:
+            return await stream.__anext__()
+        finally:
+            await stream.aclose()
+
+    assert asyncio.run(first_watch()).status == ok.SERVICE_UNKNOWN
+
+
+def test_overhead_is_the_median_of_paired_differences():
+    from types import SimpleNamespace
+
+    from adaptspec.serve.loadtest import OverheadPair, measure_overhead, overhead_summary
+
+    # service 1.0 s with 0.9 s in the replica's engine vs the engine alone in 0.95 s: 50 ms overhead,
+    # 100 ms of it outside the replica's engine and -50 ms inside
+    pairs = [OverheadPair(1.0, 0.9, 0.95, True), OverheadPair(2.0, 1.9, 1.95, True),
+             OverheadPair(3.0, 2.9, 2.95, False)]
+    s = overhead_summary(pairs, 8)
+    assert s["overhead_p50_s"] == pytest.approx(0.05) and s["outside_engine_p50_s"] == pytest.approx(0.1)
+    assert s["inside_engine_p50_s"] == pytest.approx(-0.05) and s["same_tokens"] == 2 and s["requests"] == 3
+    assert s["service_e2e_p50_s"] == 2.0 and s["engine_e2e_p50_s"] == 1.95
+
+    calls = []  # both paths get the same prompts, in alternating order
+    client = SimpleNamespace(generate=lambda p, **kw: calls.append(("svc", p, kw["max_tokens"], kw["ignore_eos"]))
+                             or SimpleNamespace(token_ids=[1, 2], timings=SimpleNamespace(e2e_s=0.0)))
+    engine = SimpleNamespace(generate=lambda ps, params, spec: calls.append(
+        ("eng", ps[0], params.max_new_tokens, params.ignore_eos)) or [SimpleNamespace(token_ids=[1, 2])])
+    out = measure_overhead(client, engine, ["p", "q"], 8, reps=2, warmup=0)
+    assert out["requests"] == 4 and out["same_tokens"] == 4
+    assert [c[0] for c in calls] == ["svc", "eng", "eng", "svc", "eng", "svc", "svc", "eng"]
+    assert {c[1:] for c in calls} == {("p", 8, True), ("q", 8, True)}
