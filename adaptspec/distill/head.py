@@ -157,12 +157,14 @@ class DraftHead(nn.Module):
         missing = set(mine) - set(state)
         if missing:
             raise ValueError(f"draft head weights lack {sorted(missing)[:4]}")
+        if not torch.equal(state["vocab_ids"].to(torch.long).cpu(), self.vocab_ids.cpu()):
+            raise ValueError("draft vocabulary: the saved head's vocab_ids differ from this module's "
+                             "(build the module with the saved vocab_ids)")
         with torch.no_grad():
             self.fc.weight.copy_(state["fc.weight"])
             self.feature_norm.copy_(state["feature_norm.weight"])
             self.token_norm.copy_(state["token_norm.weight"])
             self.norm.copy_(state["model.norm.weight"])
-            self.vocab_ids.copy_(state["vocab_ids"].to(torch.long))
             for i, L in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 L.input_layernorm.copy_(state[p + "input_layernorm.weight"])

@@ -27,7 +27,8 @@ from adaptspec.engine.stats import StepStats
 @dataclass(slots=True)
 class BenchConfig:
     target: str = "smollm2-135m"
-    draft: str | None = None
+    drafts: list[str] = field(default_factory=list)  # models or draft heads; [] = the default draft
+    drafters: list[str] = field(default_factory=lambda: ["ngram", "draft"])
     dtypes: list[str] = field(default_factory=lambda: ["float32", "bfloat16"])
     batches: list[int] = field(default_factory=lambda: [1, 8])
     ks: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
@@ -55,6 +56,8 @@ class BenchRow:
     bound: float | None = None
     efficiency: float | None = None
     same_tokens: bool | None = None  # greedy output equals ours-plain
+    draft: str | None = None  # which draft (ours-draft, hf-assisted)
+    alpha: float | None = None  # acceptance at the first drafted position: per-token greedy agreement
 
 
 def load_prompts() -> dict[str, list[str]]:
@@ -79,7 +82,7 @@ class _StepLog:
 
 
 def run_bench(cfg: BenchConfig, json_path: str | None = None) -> list[BenchRow]:
-    from adaptspec import Engine
+    from adaptspec import SpecConfig
     from adaptspec.models.registry import DEFAULT_DRAFT
 
     con = Console()
@@ -88,26 +91,37 @@ def run_bench(cfg: BenchConfig, json_path: str | None = None) -> list[BenchRow]:
     for c in classes:
         if c not in prompts:
             raise ValueError(f"classes: unknown class {c!r} (have {sorted(prompts)})")
-    draft = cfg.draft or DEFAULT_DRAFT
+    drafts = cfg.drafts or [DEFAULT_DRAFT]
+    for d in cfg.drafters:
+        if d not in ("ngram", "draft"):
+            raise ValueError(f"drafters: unknown drafter {d!r} (ngram, draft)")
     rows: list[BenchRow] = []
-    n_cfg = len(cfg.dtypes) * len(cfg.batches) * len(classes) * (1 + 2 * len(cfg.ks))
+    per_class = 1 + len(cfg.ks) * (("ngram" in cfg.drafters) + len(drafts) * ("draft" in cfg.drafters))
+    n_cfg = len(cfg.dtypes) * len(cfg.batches) * len(classes) * per_class
     with Progress(console=con, transient=True) as prog:
         task = prog.add_task("bench", total=n_cfg)
         for dtype in cfg.dtypes:
-            engine = Engine.from_pretrained(cfg.target, draft=draft, dtype=dtype, device=cfg.device,
-                                            max_num_seqs=max(cfg.batches))
-            hf = _HF(engine, draft, dtype, cfg.device) if cfg.hf else None
+            from adaptspec.engine.engine import Engine as _E, EngineConfig
+            from adaptspec.models.loader import LoadedModel, load_draft, load_model
+
+            target = load_model(cfg.target, dtype=dtype, device=cfg.device, quiet=True)
+            engines = {}  # one engine per draft, all over the same target weights (run one at a time)
+            for d in drafts:
+                engines[d] = _E(target, load_draft(d, target, dtype=dtype, device=cfg.device, quiet=True),
+                                EngineConfig(max_num_seqs=max(cfg.batches)))
+            assisted = next((d for d in drafts if isinstance(engines[d].draft, LoadedModel)), None)
+            hf = _HF(engines[drafts[0]], assisted, dtype, cfg.device) if cfg.hf else None
             log = _StepLog()
-            engine.step_listeners.append(log)
-            engine.generate(["warm up"], _params(8))
+            for e in engines.values():
+                e.step_listeners.append(log)
+                e.generate(["warm up"], _params(8), SpecConfig("draft", 2))
             for batch in cfg.batches:
                 for cls in classes:
                     ps = prompts[cls][:cfg.prompts_per_class]
                     prog.update(task, description=f"{dtype} batch {batch} {cls}")
-                    rows += _bench_class(engine, hf, log, ps, cfg, dtype, batch, cls, prog, task)
+                    rows += _bench_class(engines, hf, log, ps, cfg, dtype, batch, cls, prog, task)
                     if json_path:  # rewritten after every class: a long run interrupted keeps its rows
                         _write_json(json_path, cfg, rows)
-            engine.step_listeners.remove(log)
     _print(con, rows)
     if json_path:
         _write_json(json_path, cfg, rows)
@@ -138,11 +152,13 @@ def _params(n):
     return SamplingParams(max_new_tokens=n)
 
 
-def _bench_class(engine, hf, log, ps, cfg, dtype, batch, cls, prog, task) -> list[BenchRow]:
+def _bench_class(engines, hf, log, ps, cfg, dtype, batch, cls, prog, task) -> list[BenchRow]:
     from adaptspec import SpecConfig
 
     params = _params(cfg.max_new_tokens)
     chunks = [ps[i:i + batch] for i in range(0, len(ps), batch)]
+    names = list(engines)
+    engine = engines[names[0]]
 
     def ours(spec):
         log.steps.clear()
@@ -158,7 +174,10 @@ def _bench_class(engine, hf, log, ps, cfg, dtype, batch, cls, prog, task) -> lis
     base = BenchRow(dtype, batch, cls, "ours-plain", 0, n_tok, wall, n_tok / wall)
     rows = [base]
     prog.advance(task)
-    for drafter in ("ngram", "draft"):
+    runs = [("ngram", None)] * ("ngram" in cfg.drafters) + [("draft", d) for d in names if "draft" in cfg.drafters]
+    for drafter, dname in runs:
+        if dname is not None:
+            engine = engines[dname]
         for k in cfg.ks:
             outs, wall = ours(SpecConfig(drafter, k))
             tok = sum(len(o.token_ids) for o in outs)
@@ -170,9 +189,11 @@ def _bench_class(engine, hf, log, ps, cfg, dtype, batch, cls, prog, task) -> lis
             c = (sum(s.draft_s for s in dec) / max(passes, 1)) / max(t_plain_step, 1e-9)
             bound = analytic_bound(a, k, c)
             speed = (tok / wall) / base.tok_s
+            d1 = sum(o.stats.drafted_per_position[0] for o in outs)
+            alpha = sum(o.stats.accepted_per_position[0] for o in outs) / d1 if d1 else None
             rows.append(BenchRow(dtype, batch, cls, f"ours-{drafter}", k, tok, wall, tok / wall, speed, a,
                                  sum(o.stats.emitted for o in outs) / max(steps, 1), c, bound, speed / bound,
-                                 [o.token_ids for o in outs] == plain_tokens))
+                                 [o.token_ids for o in outs] == plain_tokens, dname, alpha))
             prog.advance(task)
     if hf is not None:
         rows += hf.run(chunks, cfg, dtype, batch, cls, base, plain_tokens)
@@ -182,7 +203,7 @@ def _bench_class(engine, hf, log, ps, cfg, dtype, batch, cls, prog, task) -> lis
 class _HF:
     """transformers baselines over the same folders, tokens and dtype."""
 
-    def __init__(self, engine, draft: str, dtype: str, device: str):
+    def __init__(self, engine, draft: str | None, dtype: str, device: str):
         from transformers import AutoModelForCausalLM
 
         from adaptspec.models.loader import parse_dtype
@@ -191,7 +212,9 @@ class _HF:
         dt = parse_dtype(dtype)
         self.engine = engine
         self.target = AutoModelForCausalLM.from_pretrained(engine.target.path, dtype=dt).to(device).eval()
-        self.draft = AutoModelForCausalLM.from_pretrained(resolve(draft, quiet=True), dtype=dt).to(device).eval()
+        self.draft_name = draft  # transformers' assisted generation needs a model draft (not a head)
+        self.draft = (AutoModelForCausalLM.from_pretrained(resolve(draft, quiet=True), dtype=dt).to(device).eval()
+                      if draft else None)
         self.device = device
         self.eos = engine.tokenizer.eos_token_id
 
@@ -213,7 +236,7 @@ class _HF:
 
     def run(self, chunks, cfg, dtype, batch, cls, base, plain_tokens) -> list[BenchRow]:
         variants = [("hf-plain", 0, {})]
-        if batch == 1:  # transformers' assisted generation runs at batch 1 only
+        if batch == 1 and self.draft is not None:  # transformers' assisted generation runs at batch 1 only
             variants.append(("hf-assisted", 0, {"assistant_model": self.draft}))
             variants += [("hf-lookup", k, {"prompt_lookup_num_tokens": k}) for k in cfg.ks]
         rows = []
@@ -223,8 +246,15 @@ class _HF:
             wall = time.perf_counter() - t
             n = sum(len(x) for x in toks)
             rows.append(BenchRow(dtype, batch, cls, name, k, n, wall, n / wall, (n / wall) / base.tok_s,
-                                 same_tokens=toks == plain_tokens))
+                                 same_tokens=toks == plain_tokens,
+                                 draft=self.draft_name if name == "hf-assisted" else None))
         return rows
+
+
+def _short(name: str) -> str:
+    from rich.markup import escape
+
+    return escape(name.rstrip("/").rsplit("/", 1)[-1])
 
 
 def _fmt(x, spec=".2f"):
@@ -235,13 +265,15 @@ def _print(con: Console, rows: list[BenchRow]) -> None:
     keys = sorted({(r.dtype, r.batch) for r in rows}, key=lambda t: (t[0], t[1]))
     for dtype, batch in keys:
         table = Table(title=f"{dtype}, batch {batch}")
-        for col in ("class", "method", "k", "tok/s", "speedup", "a", "acc.len", "c", "bound", "eff.", "exact"):
+        for col in ("class", "method", "k", "tok/s", "speedup", "alpha", "a", "acc.len", "c", "bound", "eff.", "exact"):
             table.add_column(col, justify="right" if col not in ("class", "method") else "left")
         for r in rows:
             if (r.dtype, r.batch) != (dtype, batch):
                 continue
-            table.add_row(r.request_class, r.method, str(r.k) if r.k else "-", f"{r.tok_s:.1f}", f"{r.speedup:.2f}x",
-                          _fmt(r.acceptance), _fmt(r.mean_accepted_length), _fmt(r.cost_ratio, ".3f"),
+            many = len({x.draft for x in rows if x.draft}) > 1
+            method = r.method + (f" ({_short(r.draft)})" if r.draft and many else "")
+            table.add_row(r.request_class, method, str(r.k) if r.k else "-", f"{r.tok_s:.1f}", f"{r.speedup:.2f}x",
+                          _fmt(r.alpha), _fmt(r.acceptance), _fmt(r.mean_accepted_length), _fmt(r.cost_ratio, ".3f"),
                           _fmt(r.bound), _fmt(r.efficiency), "-" if r.same_tokens is None else
                           ("yes" if r.same_tokens else "no"))
         con.print(table)

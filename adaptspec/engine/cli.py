@@ -60,7 +60,9 @@ def complete(
 @fail_cleanly
 def bench(
     target: str = typer.Option("smollm2-135m"),
-    draft: Optional[str] = typer.Option(None, help="draft model; default: the built-in default draft"),
+    draft: Optional[str] = typer.Option(None, help="draft(s), comma-separated (models or draft heads); "
+                                        "default: the built-in default draft"),
+    drafters: str = typer.Option("ngram,draft", help="our drafters to measure (ngram, draft)"),
     dtype: str = typer.Option("float32,bfloat16", help="comma-separated dtypes"),
     batch: str = typer.Option("1,8", help="comma-separated batch sizes"),
     k: str = typer.Option("1,2,4,8", help="comma-separated k values for our drafters"),
@@ -74,7 +76,7 @@ def bench(
     """Benchmark plain vs speculative decoding against transformers (tokens/s, acceptance, bound)."""
     from adaptspec.engine.bench import BenchConfig, run_bench
 
-    cfg = BenchConfig(target=target, draft=draft, dtypes=_csv(dtype), batches=[int(x) for x in _csv(batch)],
+    cfg = BenchConfig(target=target, drafts=_csv(draft or ""), drafters=_csv(drafters), dtypes=_csv(dtype), batches=[int(x) for x in _csv(batch)],
                       ks=[int(x) for x in _csv(k)], classes=_csv(classes), max_new_tokens=max_new_tokens,
                       prompts_per_class=prompts_per_class, hf=not no_hf, device=device)
     run_bench(cfg, json_path)

