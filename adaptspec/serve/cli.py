@@ -59,7 +59,7 @@ def serve(
     port: Optional[int] = typer.Option(None, help="gRPC port (overrides the config)"),
     write_serve_config: Optional[str] = typer.Option(None, help="write the Ray Serve config here and exit"),
 ) -> None:
-    """Run the service: local Ray, Serve's gRPC proxy, Ingress, TargetEngine, Controller."""
+    """Run the service: local Ray, Serve's gRPC proxy, TargetEngine (the ingress), Controller."""
     from rich.console import Console
 
     from adaptspec.serve.config import load_config, write_serve_config as write

@@ -1,6 +1,6 @@
 """What crosses deployment boundaries: typed, picklable dataclasses (torch-free).
 
-Ingress -> TargetEngine: ``EngineRequest``; TargetEngine -> Ingress: a stream of
+Ingress methods -> the replica's engine loop: ``EngineRequest``; back: a stream of
 ``EngineChunk`` (an ``error`` chunk instead of an exception, so the status code survives
 Ray's error wrapping); TargetEngine -> Controller: ``ReplicaReport``; Controller ->
 TargetEngine: ``PolicySnapshot``.
