@@ -21,14 +21,28 @@ SERVICER_FUNCTIONS = ["adaptspec.proto.adaptspec_pb2_grpc.add_AdaptSpecServicer_
                       "adaptspec.proto.health_pb2_grpc.add_HealthServicer_to_server"]
 
 
+def _is_draft_head(spec: str | None) -> bool:
+    """A draft-head folder or alias (``draft.json``), checked without loading or pulling anything."""
+    from pathlib import Path
+
+    if not spec:
+        return False
+    from adaptspec.models.registry import BUILTIN
+
+    if spec in BUILTIN:
+        return BUILTIN[spec].packaged
+    return (Path(spec).expanduser() / "draft.json").is_file()
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
 class ModelsConfig(_Strict):
     target: str = Field("smollm2-135m", description="target model: alias, folder, .gguf or hub id")
-    draft: str | None = Field("smollm2-135m-first4",
-                              description="draft model sharing the target's tokenizer; null: n-gram only")
+    draft: str | None = Field("smollm2-135m-draft",
+                              description="draft sharing the target's tokenizer: a draft model or a draft head "
+                                          "(the default is the shipped distilled head); null: n-gram only")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights and compute dtype")
     device: str = Field("cpu", description="torch device of the target replica, e.g. cpu or cuda")
 
@@ -136,6 +150,10 @@ class ServiceConfig(_Strict):
                              f"{self.max_tokens_limit}")
         if self.placement == "disaggregated" and not self.models.draft:
             raise ValueError("placement: disaggregated needs models.draft")
+        if self.placement == "disaggregated" and _is_draft_head(self.models.draft):
+            raise ValueError(f"placement: models.draft {self.models.draft!r} is a draft head, which drafts from the "
+                             "target's hidden states and runs colocated only (disaggregated heads are not built "
+                             "yet); use placement: colocated or an independent draft model")
         return self
 
     @property

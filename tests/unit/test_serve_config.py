@@ -59,6 +59,7 @@ def test_unknown_app_arg_is_refused():
     ({"classes": [{"name": "a"}, {"name": "a"}]}, "classes"),
     ({"modles": {}}, "modles"),
     ({"placement": "disaggregated", "models": {"draft": None}}, "placement"),
+    ({"placement": "disaggregated", "models": {"draft": "smollm2-135m-draft"}}, "draft head"),
 ])
 def test_bad_config_names_the_field(data, field):
     with pytest.raises(ValueError, match=field):
