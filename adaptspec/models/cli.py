@@ -32,6 +32,13 @@ def register(app: typer.Typer) -> None:
             table.add_column(col)
         sizes = {name: (folder, size) for name, folder, size in list_cached()}
         for alias, spec in BUILTIN.items():
+            if spec.packaged:  # ships inside the package: always there
+                from adaptspec.models.registry import packaged_dir
+
+                folder = packaged_dir(alias)
+                size = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+                table.add_row(alias, "packaged", f"{size / 1e6:.0f} MB", spec.description)
+                continue
             cached = alias in sizes and is_complete(alias_dir(alias))
             size = f"{sizes[alias][1] / 1e6:.0f} MB" if cached else ""
             table.add_row(alias, "yes" if cached else "no", size, spec.description)

@@ -50,7 +50,7 @@ BUILTIN: dict[str, BuiltinModel] = {
         ),
         BuiltinModel(
             alias="smollm2-135m-first4",
-            description="stand-in draft: the first 4 of SmolLM2-135M's 30 layers plus its norm and head",
+            description="the target cut to its first 4 of 30 layers (plus its norm and head): a comparison draft",
             base="smollm2-135m",
             keep_layers=4,
         ),

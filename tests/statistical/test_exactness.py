@@ -102,3 +102,32 @@ def test_negative_control_wrong_acceptance_rule_is_detected(engine, hf, monkeypa
     temperature, top_p, drafter, prompt = CASES[0]
     counts = sample_joint(engine, prompt, temperature, top_p, drafter, n_samples=N_SAMPLES // 4)
     assert chi2_pvalue(counts, exact_joint(hf, prompt, temperature, top_p)) < 1e-6
+
+
+@pytest.fixture(scope="module")
+def head_engine(tiny_dir, tmp_path_factory):
+    """The same target with a random draft HEAD over a reduced vocabulary (10 of 16 tokens):
+    tokens outside it have draft probability 0, the recovered distribution must fill them in."""
+    from adaptspec.distill.head import DraftHead, HeadConfig, save_head
+    from adaptspec.engine.engine import Engine as _Engine, EngineConfig
+    from adaptspec.models.loader import load_draft, load_model, load_weights
+
+    t = load_model(str(tiny_dir))
+    w = load_weights(tiny_dir)
+    torch.manual_seed(0)
+    ids = torch.tensor([0, 1, 2, 3, 5, 7, 8, 11, 12, 14])
+    head = DraftHead(HeadConfig.for_target(t.model.cfg, 1, len(ids)), w["model.embed_tokens.weight"],
+                     w["lm_head.weight"][ids], ids)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.3)
+    folder = save_head(head, tmp_path_factory.mktemp("head"), dtype=torch.float32)
+    return _Engine(t, load_draft(str(folder), t), EngineConfig(max_num_seqs=BATCH, max_model_len=40))
+
+
+def test_draft_head_with_reduced_vocabulary_matches_target(head_engine, hf):
+    temperature, top_p, prompt = 1.0, 1.0, [3, 7, 1]
+    counts = sample_joint(head_engine, prompt, temperature, top_p, "draft")
+    assert head_engine.totals.accepted > 0
+    assert chi2_pvalue(counts, exact_joint(hf, prompt, temperature, top_p)) > 1e-3
