@@ -114,6 +114,18 @@ class _Layer(nn.Module):
         self.up_proj = nn.Linear(H, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, H, bias=False)
 
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """The layer's tensors under their Hugging Face names (``model.layers.i.`` + name)."""
+        return {"input_layernorm.weight": self.input_layernorm,
+                "post_attention_layernorm.weight": self.post_attention_layernorm,
+                **{f"self_attn.{n}.weight": getattr(self, n).weight for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+                **{f"mlp.{n}.weight": getattr(self, n).weight for n in ("gate_proj", "up_proj", "down_proj")}}
+
+    @torch.no_grad()
+    def copy_from(self, src: dict[str, torch.Tensor], prefix: str) -> None:
+        for name, t in self.named_tensors().items():
+            t.copy_(src[prefix + name])
+
 
 class DraftHead(nn.Module):
     """Trainable head. ``embed`` [vocab, H] and ``out_weight`` [N, H] are frozen buffers
@@ -143,13 +155,7 @@ class DraftHead(nn.Module):
                "token_norm.weight": self.token_norm, "model.norm.weight": self.norm,
                "vocab_ids": self.vocab_ids.to(torch.int32)}
         for i, L in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            out[p + "input_layernorm.weight"] = L.input_layernorm
-            out[p + "post_attention_layernorm.weight"] = L.post_attention_layernorm
-            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                out[p + f"self_attn.{n}.weight"] = getattr(L, n).weight
-            for n in ("gate_proj", "up_proj", "down_proj"):
-                out[p + f"mlp.{n}.weight"] = getattr(L, n).weight
+            out.update({f"model.layers.{i}.{k}": v for k, v in L.named_tensors().items()})
         return {k: v.detach().contiguous().cpu() for k, v in out.items()}
 
     def load_exported(self, state: dict[str, torch.Tensor]) -> None:
@@ -165,26 +171,13 @@ class DraftHead(nn.Module):
             self.feature_norm.copy_(state["feature_norm.weight"])
             self.token_norm.copy_(state["token_norm.weight"])
             self.norm.copy_(state["model.norm.weight"])
-            for i, L in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                L.input_layernorm.copy_(state[p + "input_layernorm.weight"])
-                L.post_attention_layernorm.copy_(state[p + "post_attention_layernorm.weight"])
-                for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                    getattr(L, n).weight.copy_(state[p + f"self_attn.{n}.weight"])
-                for n in ("gate_proj", "up_proj", "down_proj"):
-                    getattr(L, n).weight.copy_(state[p + f"mlp.{n}.weight"])
+        for i, L in enumerate(self.layers):
+            L.copy_from(state, f"model.layers.{i}.")
 
     def init_from_target_layers(self, weights: dict[str, torch.Tensor], first_layer: int) -> None:
         """Start the decoder layers from the target's layers ``first_layer..`` (a warm start)."""
-        with torch.no_grad():
-            for i, L in enumerate(self.layers):
-                p = f"model.layers.{first_layer + i}."
-                L.input_layernorm.copy_(weights[p + "input_layernorm.weight"])
-                L.post_attention_layernorm.copy_(weights[p + "post_attention_layernorm.weight"])
-                for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                    getattr(L, n).weight.copy_(weights[p + f"self_attn.{n}.weight"])
-                for n in ("gate_proj", "up_proj", "down_proj"):
-                    getattr(L, n).weight.copy_(weights[p + f"mlp.{n}.weight"])
+        for i, L in enumerate(self.layers):
+            L.copy_from(weights, f"model.layers.{first_layer + i}.")
 
     # ---- forward with training-time test --------------------------------------------
     def _rope(self, L: int, device) -> tuple[torch.Tensor, torch.Tensor]:

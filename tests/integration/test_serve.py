@@ -204,11 +204,13 @@ def test_full_queue_is_resource_exhausted_and_cancel_frees_slots(service):
 def test_deadline_aborts_and_frees_the_slot(service):
     _, client = service
     _wait_for(lambda: _idle(client), "an idle replica")
+    # plain decoding (no speculation): 400 engine steps, far longer than the deadline
+    slow = dict(prompt_token_ids=[1, 2, 3], max_tokens=400, ignore_eos=True, speculation=("none", 0), timeout=0.15)
     with pytest.raises(grpc.RpcError) as err:
-        client.generate(prompt_token_ids=[1, 2, 3], max_tokens=400, ignore_eos=True, timeout=0.3)
+        client.generate(**slow)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     with pytest.raises(grpc.RpcError):
-        list(client.stream(prompt_token_ids=[1, 2, 3], max_tokens=400, ignore_eos=True, timeout=0.3))
+        list(client.stream(**slow))
     _wait_for(lambda: _idle(client), "the expired requests to free their slots")
 
 
