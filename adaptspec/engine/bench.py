@@ -236,8 +236,9 @@ class _HF:
 
     def run(self, chunks, cfg, dtype, batch, cls, base, plain_tokens) -> list[BenchRow]:
         variants = [("hf-plain", 0, {})]
-        if batch == 1 and self.draft is not None:  # transformers' assisted generation runs at batch 1 only
-            variants.append(("hf-assisted", 0, {"assistant_model": self.draft}))
+        if batch == 1:  # transformers' assisted generation runs at batch 1 only
+            if self.draft is not None:  # it needs a model draft (a draft head has no transformers form)
+                variants.append(("hf-assisted", 0, {"assistant_model": self.draft}))
             variants += [("hf-lookup", k, {"prompt_lookup_num_tokens": k}) for k in cfg.ks]
         rows = []
         for name, k, kw in variants:
