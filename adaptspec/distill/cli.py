@@ -91,8 +91,6 @@ def run_distill(target: str, cfg, out: Path, *, tokens: int, held_out_tokens: in
     eng = Engine(t, None, EngineConfig(max_num_seqs=gen_batch, max_model_len=max_prompt + max_new_tokens + MAX_K + 2))
     data_path = Path(data_path) if data_path else out / "data.pt"
     held_path = out / "held_out.pt" if data_path.parent == out else data_path.with_name(data_path.stem + ".held_out.pt")
-    if not (resume or data_path == out / "data.pt") and not data_path.exists():
-        con.print(f"data file {data_path} is new: it will be generated")
     held = generate(eng, corpus.held_out, held_path, tokens=held_out_tokens, samples=0,
                     max_new_tokens=max_new_tokens, seed=seed + 1, console=con, label="held-out data")
     data = generate(eng, corpus.train, data_path, tokens=tokens, time_budget_s=gen_time_budget_s, samples=samples,

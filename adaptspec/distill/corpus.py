@@ -21,6 +21,7 @@ import json
 import random
 import re
 import sysconfig
+import textwrap
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -117,19 +118,13 @@ def _code_prompts(files: list[Path], rng: random.Random, cap: int) -> tuple[list
                 args = [a.arg for a in node.args.args if a.arg not in ("self", "cls")]
                 tmpl = rng.choice(_CODE_EDITS if args else [t for t in _CODE_EDITS if "{arg}" not in t])
                 instr = tmpl.format(arg=args[0] if args else "", name=node.name)
-                code.append(f"{instr}\n\n```python\n{_dedent(seg)}\n```")
+                code.append(f"{instr}\n\n```python\n{textwrap.dedent(seg)}\n```")
             fdoc = ast.get_docstring(node)
             if fdoc and not node.name.startswith("_") and len(fdoc) > 60:
                 chat.append(rng.choice(_DOC_CHAT[:2]).format(qual=node.name, mod=mod))
                 if len(fdoc) > 500:
                     prose.append(rng.choice(_PROSE).format(text=fdoc[:1500]))
     return code, chat, prose
-
-
-def _dedent(seg: str) -> str:
-    import textwrap
-
-    return textwrap.dedent(seg)
 
 
 def _topic_prompts(rng: random.Random) -> list[str]:

@@ -235,11 +235,10 @@ class DraftHead(nn.Module):
         scores = (q @ k1.transpose(-1, -2)) * scale  # [B, nh, n, n] against pass-1 entries
         j = torch.arange(n, device=h.device)
         visible = j[None, :] <= (j[:, None] - (s - 1))  # pass-1 keys up to j - s + 1
+        scores = scores.masked_fill(~visible, float("-inf"))
         if s == 1:
-            scores = scores.masked_fill(~visible, float("-inf"))
             a = torch.softmax(scores.float(), -1).to(q.dtype) @ v1
         else:
-            scores = scores.masked_fill(~visible, float("-inf"))
             diag_s, diag_v = [], []
             for r in range(2, s + 1):  # pass r's entry at j - (s - r), on the diagonal
                 kr, vr = kv_passes[r - 1]

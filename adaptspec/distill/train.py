@@ -20,6 +20,7 @@ optimizer, the data order and the curve; ``resume=True`` continues from one.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -220,12 +221,12 @@ class Trainer:
         self.autocast = self.device.type == "cuda" or os.environ.get("ADAPTSPEC_DISTILL_AUTOCAST") == "1"
 
     # -- one batch ------------------------------------------------------------------
-    def _forward(self, ids, lens, mask, train: bool):
+    def _forward(self, ids, lens, mask):
         feats = self.teacher.features(ids, lens).clone().float()  # [B, L, H]; clone: out of inference mode
         sel = mask.nonzero(as_tuple=True)
         with torch.no_grad():
             t_logp = torch.log_softmax(self.teacher.logits(feats[sel]), -1)  # [N, vocab], position t -> x_{t+1}
-        ctx = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else _nullcontext()
+        ctx = torch.autocast(self.device.type, dtype=torch.bfloat16) if self.autocast else contextlib.nullcontext()
         with ctx:
             if self.cfg.kind == "head":
                 # head entry j (feature f_j, token x_{j+1}) predicts x_{j+2}: the target's p at position j+1
@@ -257,7 +258,7 @@ class Trainer:
             if not greedy:
                 continue
             ids, lens, mask = _pad(self.held.examples, greedy, self.cfg.max_len, self.device)
-            outs, _ = self._forward(ids, lens, mask, train=False)
+            outs, _ = self._forward(ids, lens, mask)
             # per example class: count agreement per pass
             if self.cfg.kind == "head":
                 hsel = mask[:, 1:].nonzero(as_tuple=True)[0]
@@ -329,7 +330,7 @@ class Trainer:
                         break
                     t0 = time.perf_counter()
                     ids, lens, mask = _pad(self.data.examples, b, c.max_len, self.device)
-                    outs, n_pos = self._forward(ids, lens, mask, train=True)
+                    outs, n_pos = self._forward(ids, lens, mask)
                     weights = [0.8 ** i for i in range(len(outs))]
                     loss = sum(w * o[0].mean() for w, o in zip(weights, outs)) / sum(weights)
                     for g in self.opt.param_groups:
@@ -402,14 +403,6 @@ class Trainer:
 
 
 # ---- helpers ----------------------------------------------------------------------------
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
-
-
 def _attn_mask(lens: torch.Tensor, L: int) -> torch.Tensor:
     return (torch.arange(L, device=lens.device)[None, :] < lens[:, None]).long()
 

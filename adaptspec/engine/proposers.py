@@ -161,6 +161,11 @@ class DraftModelProposer(Proposer):
         seq.draft_computed = 0
 
 
+def _pending_end(seq: Sequence) -> int:
+    """The position after the last target feature the head has not consumed yet."""
+    return seq.head_pending_from + sum(h.shape[0] for h in seq.head_pending)
+
+
 class HeadProposer(Proposer):
     """A feature-level draft head (EAGLE-style, ``adaptspec.distill.head``).
 
@@ -181,9 +186,9 @@ class HeadProposer(Proposer):
     def observe_hidden(self, seq, position, hidden) -> None:
         if seq.head_broken:
             return
-        expected = seq.head_pending_from + sum(h.shape[0] for h in seq.head_pending)
         if not seq.head_pending:
-            seq.head_pending_from = expected = seq.head_computed
+            seq.head_pending_from = seq.head_computed
+        expected = _pending_end(seq)
         if position != expected:  # cannot happen when every step is observed; never guess
             seq.head_broken, seq.head_pending = True, []
             return
@@ -193,8 +198,7 @@ class HeadProposer(Proposer):
         head, dev = self.head, self.head.device
         drafts = [Draft([], None) for _ in seqs]
         active = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0 and not s.head_broken
-                  and s.head_pending and s.head_pending_from + sum(h.shape[0] for h in s.head_pending)
-                  == len(s.token_ids) - 1]
+                  and s.head_pending and _pending_end(s) == len(s.token_ids) - 1]
         if not active:
             return drafts
         rows = [seqs[i] for i in active]
