@@ -23,6 +23,32 @@ def accepted_length_curve(p: np.ndarray) -> np.ndarray:
     return out
 
 
+def tpot_length_curve(p: np.ndarray, z: float, short_tokens: float) -> np.ndarray:
+    """Accepted length to budget a TPOT target with, for k = 0..K: the mean less ``z``
+    standard errors of a short request's mean accepted length (see ``tpot_spread``)."""
+    mean = accepted_length_curve(p)
+    return np.maximum(mean - tpot_spread(p, z, short_tokens), 1.0)
+
+
+def tpot_spread(p: np.ndarray, z: float, short_tokens: float) -> np.ndarray:
+    """``z`` standard errors of a short request's mean accepted length, for k = 0..K.
+
+    A request's TPOT is its decode time over its tokens, so a short request (``short_tokens``
+    tokens, about ``short_tokens / E[L]`` steps) with unlucky acceptance sees a lower mean
+    accepted length than its class: the standard error is sd(L) / sqrt(steps). With
+    S_j = P(L >= j + 1) = p_1 ... p_j, E[L] = 1 + sum_j S_j and E[L^2] = 1 + sum_j (2j + 1) S_j.
+    """
+    surv = np.cumprod(p, axis=-1)
+    mean = np.ones(p.shape[:-1] + (p.shape[-1] + 1,))
+    mean[..., 1:] += np.cumsum(surv, axis=-1)
+    if z <= 0:
+        return np.zeros_like(mean)
+    second = np.ones_like(mean)
+    second[..., 1:] += np.cumsum(surv * (2.0 * np.arange(1, p.shape[-1] + 1) + 1.0), axis=-1)
+    sd = np.sqrt(np.maximum(second - mean * mean, 0.0))
+    return z * sd * np.sqrt(mean / short_tokens)
+
+
 def successes_failures(accepted_hist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per-position successes and failures from a histogram of accepted counts.
 

@@ -6,7 +6,7 @@ from typing import Callable
 
 import numpy as np
 
-from adaptspec.control.acceptance import accepted_length_curve
+from adaptspec.control.acceptance import accepted_length_curve, tpot_length_curve
 from adaptspec.control.base import Clock, Policy, PolicyConfig
 from adaptspec.control.costmodel import StepCostModel
 from adaptspec.control.planner import Planner
@@ -24,21 +24,27 @@ class OraclePolicy(Policy):
     name = "oracle"
 
     def __init__(self, acceptance: AcceptanceTruth, cost: StepCostModel, config: PolicyConfig | None = None,
-                 *, margin: float = 0.9, clock: Clock = time.perf_counter) -> None:
+                 *, margin: float = 0.9, spread_z: float = 2.0, short_tokens: float = 64.0,
+                 clock: Clock = time.perf_counter) -> None:
         super().__init__(config, clock=clock)
         self.truth = acceptance
         self.cost = cost
         self.planner = Planner(self.table, self.targets, margin)
-        self._lengths: dict[str, np.ndarray] = {}
+        self.spread_z, self.short_tokens = spread_z, short_tokens
+        self._lengths: dict[tuple[str, bool], np.ndarray] = {}
 
-    def lengths(self, request_class: str) -> np.ndarray:
-        L = self._lengths.get(request_class)
+    def lengths(self, request_class: str, tpot: bool = False) -> np.ndarray:
+        """[A] true expected accepted length per arm; ``tpot``: the length its TPOT is
+        budgeted with (``acceptance.tpot_length_curve``)."""
+        L = self._lengths.get((request_class, tpot))
         if L is None:
             parts = [np.ones(1)]
             for d in self.config.drafters:
                 if d != "none":
-                    parts.append(accepted_length_curve(np.asarray(self.truth(request_class, d))[: self.config.max_k])[1:])
-            L = self._lengths[request_class] = np.concatenate(parts)
+                    p = np.asarray(self.truth(request_class, d))[: self.config.max_k]
+                    curve = tpot_length_curve(p, self.spread_z, self.short_tokens) if tpot else accepted_length_curve(p)
+                    parts.append(curve[1:])
+            L = self._lengths[(request_class, tpot)] = np.concatenate(parts)
         return L
 
     def invalidate(self) -> None:
@@ -48,8 +54,9 @@ class OraclePolicy(Policy):
     def _choose(self, request_class: str, load: Load) -> Arm:
         live = [(c, s.arm) for c, s in self.picture.classes.items() if c != request_class and s.share > 0]
         others = {c: float(self.lengths(c)[self.table.index(arm)]) for c, arm in live}
-        budget = {c: self.table.budget_length(self.lengths(c), arm) for c, arm in live}
-        i = self.planner.plan(request_class, load, self.picture, self.lengths(request_class), others, self.cost, budget)
+        budget = {c: self.table.budget_length(self.lengths(c, tpot=True), arm) for c, arm in live}
+        i = self.planner.plan(request_class, load, self.picture, self.lengths(request_class), others, self.cost, budget,
+                              self.lengths(request_class, tpot=True))
         return self.table.arms[i]
 
     def describe_targets(self) -> str:

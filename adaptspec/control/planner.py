@@ -188,11 +188,14 @@ class Planner:
         others_length: dict[str, float],  # expected accepted length of other classes' arms
         cost: StepCostModel,
         others_budget: dict[str, float] | None = None,  # accepted lengths for others' TPOT budgets
+        tpot_length: np.ndarray | None = None,  # [A] accepted length this class's TPOT is budgeted with
     ) -> int:
         """Index (in the arm table) of the best feasible arm for ``request_class``.
 
         ``others_budget`` (default: ``others_length``) gives the accepted length each other
-        latency class's TPOT budget is computed with (see ``ArmTable.budget_length``)."""
+        latency class's TPOT budget is computed with (see ``ArmTable.budget_length``);
+        ``tpot_length`` (default: ``accepted_length``) the one this class's own TPOT is
+        (see ``acceptance.tpot_length_curve``: the mean less the spread a short request sees)."""
         t = self.table
         mix = self._mix(request_class, picture, others_length, others_budget)
         B = max(load.batch_size, 1)
@@ -210,7 +213,8 @@ class Planner:
         budget = mix.budget
         tgt = self.targets.get(request_class)
         if tgt is not None and tgt.tpot_s is not None:
-            limit = L * (self.margin * tgt.tpot_s)  # step time that keeps this class's TPOT in target
+            L_t = L if tpot_length is None else tpot_length
+            limit = L_t * (self.margin * tgt.tpot_s)  # step time that keeps this class's TPOT in target
             if budget < np.inf:
                 np.minimum(limit, budget, out=limit)
         elif budget < np.inf:

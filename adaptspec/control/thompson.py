@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from adaptspec.control.acceptance import DiscountedBeta, accepted_length_curve
+from adaptspec.control.acceptance import DiscountedBeta, tpot_spread
 from adaptspec.control.base import Clock, Policy, PolicyConfig, draft_positions
 from adaptspec.control.costmodel import OnlineStepCost, StepCostModel
 from adaptspec.control.planner import Planner
@@ -19,6 +19,10 @@ class ThompsonConfig:
     discount: float = 0.995  # per observed step, acceptance posteriors
     cost_discount: float = 0.998  # per observed step, the step-cost regression
     margin: float = 0.9  # keep predicted TPOT within margin * target
+    # budget TPOT with the accepted length a short request (short_tokens) reaches at z
+    # standard errors below the mean (see acceptance.tpot_length_curve); 0: the mean
+    spread_z: float = 2.0
+    short_tokens: float = 64.0
 
 
 class ModelBasedThompson(Policy):
@@ -52,6 +56,7 @@ class ModelBasedThompson(Policy):
         self._moments: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._observed = 0
         self._mean_curves: dict[str, np.ndarray] = {}  # posterior-mean lengths, per observed step
+        self._spreads: dict[str, np.ndarray] = {}  # TPOT spreads (see _spread), refreshed with them
         self._others: dict[str, float] = {}
         self._others_budget: dict[str, float] = {}
         self._others_version = -(10**9)
@@ -65,21 +70,34 @@ class ModelBasedThompson(Policy):
                 self.config.max_k, len(self._drafters), self.ts.discount)
         return post
 
-    def _lengths(self, request_class: str, sample: bool) -> np.ndarray:
-        """[A] expected accepted length of every arm in the table (rows follow the table)."""
+    def _probs(self, request_class: str, sample: bool) -> np.ndarray:
+        """[drafters, max_k] per-position acceptance: a posterior draw or the posterior mean."""
         post = self._posterior(request_class)
         mom = self._moments.get(request_class)
         if mom is None:
             mom = self._moments[request_class] = post.moments()
-        if sample:
-            p = post.sample(self._normals(post.a.size).reshape(post.a.shape), mom)
-        else:
-            p = mom[0]
+        return post.sample(self._normals(post.a.size).reshape(post.a.shape), mom) if sample else mom[0]
+
+    def _lengths(self, request_class: str, sample: bool) -> np.ndarray:
+        """[A] expected accepted length of every arm in the table (rows follow the table)."""
+        p = self._probs(request_class, sample)
         out = np.empty(len(self.table.arms))
         out[0] = 0.0
         np.cumsum(np.cumprod(p, axis=1), axis=1, out=out[1:].reshape(p.shape))
         out += 1.0
         return out
+
+    def _spread(self, request_class: str) -> np.ndarray:
+        """[A] how far below an arm's accepted length its TPOT budget is taken (z standard
+        errors of a short request's mean, ``acceptance.tpot_spread``), from the posterior
+        mean; refreshed with the moments."""
+        sp = self._spreads.get(request_class)
+        if sp is None:
+            sp = np.zeros(len(self.table.arms))
+            sp[1:] = tpot_spread(self._probs(request_class, sample=False), self.ts.spread_z,
+                                 self.ts.short_tokens)[:, 1:].reshape(-1)
+            self._spreads[request_class] = sp
+        return sp
 
     def _normals(self, n: int) -> np.ndarray:
         """Standard normals drawn in blocks from the seeded generator (cheap per decision)."""
@@ -91,13 +109,22 @@ class ModelBasedThompson(Policy):
 
     def _choose(self, request_class: str, load: Load) -> Arm:
         L = self._lengths(request_class, sample=True)
+        L_t = None
+        if self.ts.spread_z > 0 and request_class in self.targets:
+            L_t = np.maximum(L - self._spread(request_class), 1.0)
         if self.picture.version - self._others_version >= 8:  # refreshed every 8 observed steps
             live = [(c, s.arm) for c, s in self.picture.classes.items() if s.share > 0]
             self._others = {c: self._mean_length(c, arm) for c, arm in live}
-            self._others_budget = {c: self.table.budget_length(self._mean_curve(c), arm) for c, arm in live}
+            self._others_budget = {c: self.table.budget_length(self._budget_curve(c), arm) for c, arm in live}
             self._others_version = self.picture.version
-        i = self.planner.plan(request_class, load, self.picture, L, self._others, self.cost, self._others_budget)
+        i = self.planner.plan(request_class, load, self.picture, L, self._others, self.cost, self._others_budget, L_t)
         return self.table.arms[i]
+
+    def _budget_curve(self, request_class: str) -> np.ndarray:
+        """[A] posterior-mean accepted lengths a class's TPOT budget on the others uses."""
+        if self.ts.spread_z <= 0 or request_class not in self.targets:
+            return self._mean_curve(request_class)
+        return np.maximum(self._mean_curve(request_class) - self._spread(request_class), 1.0)
 
     def _mean_curve(self, request_class: str) -> np.ndarray:
         curve = self._mean_curves.get(request_class)
@@ -113,6 +140,7 @@ class ModelBasedThompson(Policy):
         if self._observed % 4 == 0:  # posterior moments move slowly: refresh every 4 steps
             self._mean_curves.clear()
             self._moments.clear()
+            self._spreads.clear()
         for g in outcome.groups:
             if g.arm.k > 0 and g.arm.drafter in self._row:
                 self._posterior(g.request_class).update(g.accepted_hist, self._row[g.arm.drafter])

@@ -112,7 +112,7 @@ def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost:
     targets = tuple(targets)
     cfg = PolicyConfig(tuple(sc.drafters), sc.max_k, targets, seed)
     if isinstance(spec, ThompsonSpec):
-        p = ModelBasedThompson(cfg, ThompsonConfig(spec.discount, spec.cost_discount, spec.margin),
+        p = ModelBasedThompson(cfg, ThompsonConfig(spec.discount, spec.cost_discount, spec.margin, spec.spread_z, spec.short_tokens),
                                prior_cost=cost if spec.seed_cost_from_profile else None)
     elif isinstance(spec, UCBSpec):
         p = DiscountedUCB(cfg, UCBConfig(spec.mode, spec.discount, spec.window, spec.exploration))
@@ -134,7 +134,7 @@ def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost:
                 return np.zeros(K)
             return t.at(clock[0])[drafter].position_probs(K)
 
-        p = OraclePolicy(truth, cost, cfg, margin=spec.margin)
+        p = OraclePolicy(truth, cost, cfg, margin=spec.margin, spread_z=spec.spread_z, short_tokens=spec.short_tokens)
         return PolicyRun(p, p.invalidate)
     else:  # pragma: no cover - the union is closed
         raise ValueError(f"policies: unknown kind {spec!r}")

@@ -184,6 +184,8 @@ class ThompsonSpec(_PolicyBase):
     discount: float = Field(0.995, gt=0, le=1, description="posterior discount per step")
     cost_discount: float = Field(0.998, gt=0, le=1, description="cost-model discount per step")
     margin: float = Field(0.9, gt=0, le=1, description="keep predicted TPOT within margin x target")
+    spread_z: float = Field(2.0, ge=0, description="budget TPOT at z standard errors below a short request's mean accepted length")
+    short_tokens: float = Field(64.0, gt=0, description="output tokens of the short request spread_z is taken for")
     seed_cost_from_profile: bool = Field(False, description="seed the cost model with the hardware profile")
 
 
@@ -225,6 +227,8 @@ class HeuristicSpec(_PolicyBase):
 class OracleSpec(_PolicyBase):
     kind: Literal["oracle"]
     margin: float = Field(0.9, gt=0, le=1, description="keep TPOT within margin x target")
+    spread_z: float = Field(2.0, ge=0, description="budget TPOT at z standard errors below a short request's mean accepted length")
+    short_tokens: float = Field(64.0, gt=0, description="output tokens of the short request spread_z is taken for")
 
 
 PolicySpec = Annotated[

@@ -54,3 +54,30 @@ def test_replay_resamples_and_extends_censored_records():
 def test_bernoulli_validation():
     with pytest.raises(ValueError, match="rate"):
         BernoulliAcceptance(1.0)
+
+
+def _lengths_mc(p, k, n, rng):
+    """Accepted length (accepted + 1) of n steps drafting k with per-position probs p."""
+    ok = rng.random((n, k)) < np.asarray(p)[:k]
+    return 1 + np.cumprod(ok, axis=1).sum(axis=1)
+
+
+@pytest.mark.parametrize("p", [[0.45] * 6, [0.9, 0.8, 0.7, 0.6, 0.5, 0.4]])
+def test_tpot_spread_is_the_standard_error_of_a_short_requests_mean(p):
+    from adaptspec.control.acceptance import accepted_length_curve, tpot_length_curve, tpot_spread
+
+    rng = np.random.default_rng(3)
+    p = np.array(p)
+    spread = tpot_spread(p, 1.0, 64.0)
+    mean = accepted_length_curve(p)
+    assert spread[0] == 0.0  # no drafting: one token per step, no spread
+    for k in (1, 3, 6):
+        L = _lengths_mc(p, k, 200_000, rng)
+        assert L.mean() == pytest.approx(mean[k], rel=0.01)
+        # z standard errors of the mean over the ~64 / E[L] steps of a 64-token request
+        assert spread[k] == pytest.approx(L.std() / np.sqrt(64.0 / L.mean()), rel=0.02)
+    assert np.all(tpot_spread(p, 2.0, 64.0) == pytest.approx(2 * spread))
+    assert np.all(tpot_spread(p, 1.0, 256.0) < spread + 1e-12)  # longer requests: less spread
+    assert np.all(tpot_spread(p, 0.0, 64.0) == 0.0)
+    assert np.all(tpot_length_curve(p, 2.0, 64.0) >= 1.0)
+    assert np.all(tpot_length_curve(p, 2.0, 64.0) <= mean)
