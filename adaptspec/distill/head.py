@@ -305,13 +305,13 @@ class HeadModel:
         self.dtype, self.device = dt, dev
         self.vocab_ids = state["vocab_ids"].to(torch.long).to(dev)
         self.reduced = cfg.draft_vocab_size < cfg.target_vocab_size
-        # the target's output rows for V ([hidden, vocab] in its fast layout)
-        out = target.lm_head.t() if target.fast else target.lm_head  # [vocab, hidden]
+        # the target's output rows for V
+        out = target.output_rows()  # [vocab, hidden]
         out_v = out.index_select(0, self.vocab_ids)
         w = {k: v for k, v in state.items() if k.startswith("model.")}
         w["model.embed_tokens.weight"] = target.embed  # only for LlamaModel's bookkeeping
         w["lm_head.weight"] = out_v
-        self.decoder = LlamaModel(cfg.llama_config(), w, dt, dev, "fast" if target.fast else "reference")
+        self.decoder = LlamaModel(cfg.llama_config(), w, dt, dev, target.matmul)
         self.embed = target.embed  # [vocab, hidden], shared
         self.fc_t = state["fc.weight"].to(dev, dt).t().contiguous()  # [2H, H]
         self.feature_norm = state["feature_norm.weight"].to(dev, dt)

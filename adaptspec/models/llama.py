@@ -92,23 +92,37 @@ class LlamaModel:
 
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor], dtype, device,
                  matmul: str = "fast"):
-        if matmul not in ("fast", "reference"):
-            raise ValueError(f"matmul={matmul!r} must be 'fast' or 'reference'")
+        if matmul not in ("packed", "fast", "reference"):
+            raise ValueError(f"matmul={matmul!r} must be 'packed', 'fast' or 'reference'")
+        if matmul == "packed" and torch.device(device).type != "cpu":
+            raise ValueError("matmul='packed' is the CPU kernel; use 'reference' on other devices")
         self.cfg = cfg
         # "fast": weights stored transposed ([in, out], contiguous), `x @ w_t`; on this CPU's
         # BLAS that stays flat from 1 to ~8 rows where F.linear doubles past 3 rows
         # (measured: 190 us vs 330 us at 5 rows for a 576x3072 layer), at the price of
         # ordinary fp32 rounding (about 5e-5 per matmul instead of 1.5e-5).
         # "reference": F.linear on [out, in] weights, exactly as transformers computes.
-        self.fast = matmul == "fast"
+        # "packed": the CPU small-M kernel (adaptspec.models.cpu_gemm) on weights packed in
+        # column blocks; it streams each weight once for up to 8 rows, so verifying k + 1
+        # tokens costs about what decoding one does (prefill rows still go to torch).
+        self.matmul = matmul
+        self.fast = matmul != "reference"  # weights [in, out]: x @ w
         self.dtype = dtype
         self.device = torch.device(device)
         w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
         self.embed = w["model.embed_tokens.weight"]  # [vocab, hidden]
         self.norm = w["model.norm.weight"]
-        lay = (lambda t: t.t().contiguous()) if self.fast else (lambda t: t)
+        if matmul == "packed":
+            from adaptspec.models import cpu_gemm
+
+            cpu_gemm.enabled()  # build/load once, before the first forward
+            lay = lambda t: cpu_gemm.pack(t.t())  # noqa: E731
+        elif self.fast:
+            lay = lambda t: t.t().contiguous()  # noqa: E731
+        else:
+            lay = lambda t: t  # noqa: E731
         head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        self.lm_head = lay(head)  # fast: [hidden, vocab]; reference: [vocab, hidden]
+        self.lm_head = lay(head)  # fast: [hidden, vocab]; reference: [vocab, hidden]; packed: PackedWeight
         self.layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -224,11 +238,22 @@ class LlamaModel:
             flat = flat.index_select(0, logits_rows)
         return self._mm(flat, self.lm_head), hidden
 
-    def _mm(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    def _mm(self, x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         if not self.fast:
             return F.linear(x, w, b)
-        y = x @ w
+        if self.matmul == "packed":
+            from adaptspec.models.cpu_gemm import matmul
+
+            y = matmul(x, w)
+        else:
+            y = x @ w
         return y if b is None else y + b
+
+    def output_rows(self) -> torch.Tensor:
+        """The output layer as [vocab, hidden] (a view or, for packed weights, a copy)."""
+        if self.matmul == "packed":
+            return self.lm_head.unpacked().t()
+        return self.lm_head.t() if self.fast else self.lm_head
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

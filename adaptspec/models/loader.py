@@ -62,8 +62,12 @@ def load_model(spec: str, dtype="float32", device="cpu", matmul: str | None = No
     dt, dev = parse_dtype(dtype), parse_device(device)
     folder = resolve(spec, quiet=quiet)
     cfg = LlamaConfig.from_hf(AutoConfig.from_pretrained(folder))
-    # The transposed "fast" layout is a CPU BLAS choice; on CUDA cuBLAS handles F.linear well.
-    matmul = matmul or ("fast" if dev.type == "cpu" else "reference")
+    # On the CPU: our small-M kernel on packed weights (bf16; see cpu_gemm) or the
+    # transposed "fast" layout for the BLAS; on CUDA cuBLAS handles F.linear well.
+    if matmul is None:
+        from adaptspec.models import cpu_gemm
+
+        matmul = cpu_gemm.default_matmul(dt, dev)
     model = LlamaModel(cfg, load_weights(folder), dt, dev, matmul)
     tok = AutoTokenizer.from_pretrained(folder)
     return LoadedModel(name=str(spec), path=folder, model=model, tokenizer=tok)

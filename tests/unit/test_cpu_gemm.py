@@ -1,0 +1,78 @@
+"""The small-M CPU kernel: packing, products against torch, the model on packed weights."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from adaptspec.models import cpu_gemm
+
+needs_kernel = pytest.mark.skipif(not cpu_gemm.enabled(), reason=f"CPU kernel unavailable: {cpu_gemm.status()}")
+
+
+def test_pack_round_trip():
+    w = torch.randn(7, 45)  # 45 columns: one full block and one padded block
+    pw = cpu_gemm.pack(w)
+    assert pw.blocks.shape == (2, 7, 32)
+    assert torch.equal(pw.unpacked(), w)
+    with pytest.raises(ValueError, match="2-D fp32/bf16"):
+        cpu_gemm.pack(torch.zeros(3, 4, dtype=torch.float16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 17, 40])
+def test_products_match_torch(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(70, 100, generator=g).to(dtype)
+    x = torch.randn(rows, 70, generator=g).to(dtype)
+    want = x.float() @ w.float()
+    got = cpu_gemm.matmul(x, cpu_gemm.pack(w))
+    assert got.dtype == dtype and got.shape == (rows, 100)
+    tol = 1e-4 if dtype == torch.float32 else 2.0 ** -7 * want.abs().max().item()
+    assert (got.float() - want).abs().max().item() <= tol
+    # leading dimensions are kept
+    assert cpu_gemm.matmul(x.view(1, rows, 70), cpu_gemm.pack(w)).shape == (1, rows, 100)
+
+
+def test_negative_control_a_wrong_layout_is_caught():
+    """Packing the untransposed weight gives a different product: the checks above can fail."""
+    w = torch.randn(32, 32)
+    x = torch.randn(3, 32)
+    assert (cpu_gemm.matmul(x, cpu_gemm.pack(w.t().contiguous())) - x @ w).abs().max() > 1e-2
+
+
+def test_mode_parsing(monkeypatch):
+    monkeypatch.setenv("ADAPTSPEC_CPU_KERNEL", "0")
+    assert cpu_gemm.mode() == "0"
+    assert cpu_gemm.default_matmul(torch.bfloat16, torch.device("cpu")) == "fast"
+    monkeypatch.setenv("ADAPTSPEC_CPU_KERNEL", "nonsense")
+    with pytest.raises(ValueError, match="ADAPTSPEC_CPU_KERNEL"):
+        cpu_gemm.mode()
+    monkeypatch.delenv("ADAPTSPEC_CPU_KERNEL")
+    assert cpu_gemm.default_matmul(torch.float32, torch.device("cpu")) == "fast"
+    assert cpu_gemm.default_matmul(torch.float32, torch.device("cuda")) == "reference"
+
+
+@needs_kernel
+@pytest.mark.parametrize("model_type,tie", [("llama", False), ("qwen2", False), ("llama", True)])
+def test_tiny_model_on_packed_weights_matches_transformers(tmp_path, model_type, tie):
+    from tests.unit.test_llama_forward import _ours, _prefill_then_ragged
+    from tests.conftest import make_tiny_model
+
+    folder = make_tiny_model(tmp_path, vocab=40, seed=5, model_type=model_type, tie=tie)
+    hf, m = _ours(folder, "packed")
+    _prefill_then_ragged(hf, m, 40, 1e-4)  # 32-row prefill (torch on blocks) and a 16-row kernel step
+    assert torch.allclose(m.output_rows(), hf.lm_head.weight, atol=0)
+
+
+@needs_kernel
+def test_bfloat16_packed_agrees_with_torch_bf16(tiny_dir):
+    from tests.unit.test_llama_forward import _ours
+
+    _, fast = _ours(tiny_dir, "fast", dtype=torch.bfloat16)
+    _, packed = _ours(tiny_dir, "packed", dtype=torch.bfloat16)
+    ids = torch.randint(0, 16, (1, 10), generator=torch.Generator().manual_seed(1))
+    a, _ = fast.forward(ids, [0], [0], [10])
+    b, _ = packed.forward(ids, [0], [0], [10])
+    assert b.dtype == torch.bfloat16
+    assert (a.float() - b.float()).abs().max() < 0.1
