@@ -72,6 +72,7 @@ def sweep_goals(d: dict) -> list[str]:
     mean = {p: sum(by[(r, p)]["goodput_rps"] for r in rates) / len(rates) for p in policies}
     best_static = max(statics, key=mean.get)
     best_bandit = max(bandits, key=mean.get)
+    missed = {p: sum(round(by[(r, p)]["requests"] * (1 - by[(r, p)]["slo_attainment"])) for r in rates) for p in policies}
     top = rates[-1]
     none_top = by[(top, "static-none")]
     bb_top = max(bandits, key=lambda b: by[(top, b)]["goodput_rps"])
@@ -79,7 +80,8 @@ def sweep_goals(d: dict) -> list[str]:
         "",
         f"- Best bandit >= 0.97 x oracle at every level: worst ratio {worst:.3f} -> {verdict(worst >= 0.97)}.",
         f"- Best bandit >= best single static over the sweep (mean goodput over the {len(rates)} levels): "
-        f"{best_bandit} {mean[best_bandit]:.2f} vs {best_static} {mean[best_static]:.2f} -> "
+        f"{best_bandit} {mean[best_bandit]:.4f} vs {best_static} {mean[best_static]:.4f} (requests missing an SLO "
+        f"over the sweep: {missed[best_bandit]} vs {missed[best_static]}) -> "
         f"{verdict(mean[best_bandit] >= mean[best_static])}.",
         f"- At saturation ({top:g} rps) best bandit >= 0.98 x no speculation: {bb_top} goodput "
         f"{by[(top, bb_top)]['goodput_rps']:.2f} vs {none_top['goodput_rps']:.2f} "

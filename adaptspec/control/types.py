@@ -70,10 +70,11 @@ class GroupOutcome:
     arm: Arm
     accepted_hist: np.ndarray  # [k + 1] number of requests that accepted exactly j drafted
     emitted: int  # tokens emitted by these requests in this step
+    num_requests: int = -1  # the histogram's total; computed from it when not given
 
-    @property
-    def num_requests(self) -> int:
-        return int(self.accepted_hist.sum())
+    def __post_init__(self) -> None:
+        if self.num_requests < 0:  # read many times per step by every policy: count once
+            self.num_requests = int(self.accepted_hist.sum())
 
     @property
     def accepted(self) -> int:

@@ -179,7 +179,7 @@ class Replica:
             hist = np.bincount(acc, minlength=arm.k + 1)
             a_sum = int(acc.sum())
             rec.accepted_sum[c, b] += a_sum + n
-            outcome_groups.append(GroupOutcome(self.classes[c].name, arm, hist, int(emitted[lo:hi].sum())))
+            outcome_groups.append(GroupOutcome(self.classes[c].name, arm, hist, int(emitted[lo:hi].sum()), n))
         done = dec[self.remaining[dec] <= 0]
         if done.size:
             self._finish(done, end)

@@ -5,7 +5,7 @@
  * BLAS GEMM this CPU has streams them at about half the bandwidth its matrix-vector path
  * reaches as soon as there are 2+ rows (it packs panels for an arithmetic intensity small M
  * does not have), so verifying 5 tokens cost 1.6-2x decoding 1. This kernel streams each
- * weight once per 8 rows, whatever M is.
+ * weight once, whatever M is (8-row tiles run over a weight block while it is in cache).
  *
  * Layout: W is packed by ``adaptspec.models.cpu_gemm.pack`` into column blocks of 32,
  * wp[nb][I][32] (nb = ceil(O / 32), zero-padded), so one block's weights are contiguous and
@@ -77,22 +77,24 @@ static const kfn_bf16 KBF16[9] = {0, kbf16_1, kbf16_2, kbf16_3, kbf16_4, kbf16_5
 
 int adaptspec_small_gemm_version(void) { return 1; }
 
-/* y[M, O] (row stride ldy) = x[M, I] (row stride ldx) @ W; wp packed as above. */
+/* y[M, O] (row stride ldy) = x[M, I] (row stride ldx) @ W; wp packed as above. Each thread
+   takes whole column blocks and runs every 8-row tile of x over a block while the block
+   (I x 32 weights, 36-72 KB) stays in its cache: the weights come from memory once. */
 void adaptspec_small_gemm(int M, int I, int O, const float* x, int ldx, const void* wp, int bf16,
                           float* y, int ldy, int nthreads) {
     const int nb = (O + BW - 1) / BW;
-    for (int m0 = 0; m0 < M; m0 += 8) {
-        const int R = M - m0 < 8 ? M - m0 : 8;
-        const float* xr = x + (int64_t)m0 * ldx;
-        float* yr = y + (int64_t)m0 * ldy;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int b = 0; b < nb; b++) {
-            const int j0 = b * BW;
-            const int bw = O - j0 < BW ? O - j0 : BW;
+    for (int b = 0; b < nb; b++) {
+        const int j0 = b * BW;
+        const int bw = O - j0 < BW ? O - j0 : BW;
+        for (int m0 = 0; m0 < M; m0 += 8) {
+            const int R = M - m0 < 8 ? M - m0 : 8;
+            const float* xr = x + (int64_t)m0 * ldx;
+            float* yr = y + (int64_t)m0 * ldy + j0;
             if (bf16)
-                KBF16[R](I, xr, ldx, (const uint16_t*)wp + (int64_t)b * I * BW, yr + j0, ldy, bw);
+                KBF16[R](I, xr, ldx, (const uint16_t*)wp + (int64_t)b * I * BW, yr, ldy, bw);
             else
-                KF32[R](I, xr, ldx, (const float*)wp + (int64_t)b * I * BW, yr + j0, ldy, bw);
+                KF32[R](I, xr, ldx, (const float*)wp + (int64_t)b * I * BW, yr, ldy, bw);
         }
     }
 }
