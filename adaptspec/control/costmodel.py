@@ -192,7 +192,7 @@ class OnlineStepCost:
             forwards = self._fwd[key] = np.maximum(k_draft, other_fwd).astype(float)
             self._fwd_keep.append(k_draft)
         per_token = (d1 + d2 * mean_context * _TOK) * _TOK
-        const = self._ctx_coef * context_tokens + self.other_s + per_token * float(draft_other.sum())
+        const = self._ctx_coef * context_tokens + self.other_s + per_token * float(np.add.reduce(draft_other))
         t = np.interp(verify_tokens, self._xs, self._ys)
         t += d0 * forwards
         t += (per_token * n_class) * k_draft
