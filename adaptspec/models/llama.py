@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from adaptspec.models import cpu_gemm
+
 
 @dataclass(slots=True)
 class LlamaConfig:
@@ -113,8 +115,6 @@ class LlamaModel:
         self.embed = w["model.embed_tokens.weight"]  # [vocab, hidden]
         self.norm = w["model.norm.weight"]
         if matmul == "packed":
-            from adaptspec.models import cpu_gemm
-
             cpu_gemm.enabled()  # build/load once, before the first forward
             lay = lambda t: cpu_gemm.pack(t.t())  # noqa: E731
         elif self.fast:
@@ -242,9 +242,7 @@ class LlamaModel:
         if not self.fast:
             return F.linear(x, w, b)
         if self.matmul == "packed":
-            from adaptspec.models.cpu_gemm import matmul
-
-            y = matmul(x, w)
+            y = cpu_gemm.matmul(x, w)
         else:
             y = x @ w
         return y if b is None else y + b
