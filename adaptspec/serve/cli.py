@@ -37,7 +37,24 @@ def start_embedded(config, console):
         resolve(spec, quiet=True)  # pull once, here, not in every replica
     with console.status("starting Ray, Serve and the AdaptSpec app..."):
         running = serve_app.start(config)
+    _term_as_interrupt()
     return running.address
+
+
+def _term_as_interrupt() -> None:
+    """Treat SIGTERM (what Kubernetes and process managers send) like Ctrl-C, so the same
+    clean shutdown runs. Installed after Ray's own handler, which would abort the driver
+    and leave Ray's agents behind."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
 
 
 def wait_for_ctrl_c(console) -> None:
