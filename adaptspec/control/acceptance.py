@@ -38,11 +38,10 @@ def tpot_spread(p: np.ndarray, z: float, short_tokens: float) -> np.ndarray:
     accepted length than its class: the standard error is sd(L) / sqrt(steps). With
     S_j = P(L >= j + 1) = p_1 ... p_j, E[L] = 1 + sum_j S_j and E[L^2] = 1 + sum_j (2j + 1) S_j.
     """
-    surv = np.cumprod(p, axis=-1)
-    mean = np.ones(p.shape[:-1] + (p.shape[-1] + 1,))
-    mean[..., 1:] += np.cumsum(surv, axis=-1)
+    mean = accepted_length_curve(p)
     if z <= 0:
         return np.zeros_like(mean)
+    surv = np.cumprod(p, axis=-1)
     second = np.ones_like(mean)
     second[..., 1:] += np.cumsum(surv * (2.0 * np.arange(1, p.shape[-1] + 1) + 1.0), axis=-1)
     sd = np.sqrt(np.maximum(second - mean * mean, 0.0))

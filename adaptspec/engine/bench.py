@@ -223,12 +223,13 @@ def _bench_class(engines, hf, log, ps, cfg, dtype, batch, cls, prog, task) -> li
             a_tok = token_acceptance(dec)
             bound = analytic_bound(a_tok, k, c)
             speed = (tok / wall) / base.tok_s
-            dspeed = (tok / decode_time()) / (base.tokens / base.decode_s)
+            dec_s = decode_time()
+            dspeed = (tok / dec_s) / (base.tokens / base.decode_s)
             d1 = sum(o.stats.drafted_per_position[0] for o in outs)
             alpha = sum(o.stats.accepted_per_position[0] for o in outs) / d1 if d1 else None
             rows.append(BenchRow(dtype, batch, cls, f"ours-{drafter}", k, tok, wall, tok / wall, speed, a,
                                  sum(o.stats.emitted for o in outs) / max(steps, 1), c, bound, dspeed / bound,
-                                 [o.token_ids for o in outs] == plain_tokens, dname, alpha, a_tok, decode_time(),
+                                 [o.token_ids for o in outs] == plain_tokens, dname, alpha, a_tok, dec_s,
                                  dspeed))
             prog.advance(task)
     if hf is not None:

@@ -9,11 +9,11 @@ failed build or check, or with ``ADAPTSPEC_CPU_KERNEL=0``, everything falls back
 matmul (``status()`` says why).
 
 Where it is used by default (``default_matmul``): bfloat16 models on the CPU. Measured on
-this project's 2-core machine (SmolLM2-135M, one sequence, 200 cached tokens), a target
-forward of 1 / 5 / 9 tokens took 36 / 91 / 110 ms with torch and 36 / 40 / 54 ms with the
-kernel. In float32 the BLAS matrix-vector path streams a little faster than the kernel for
-a single row (39 vs 44 ms) while the kernel wins from 2 rows (52 vs 57 ms at 5), so float32
-keeps torch unless ``ADAPTSPEC_CPU_KERNEL=all``.
+this project's 2-core machine (SmolLM2-135M, one sequence, 200 cached tokens; the README's
+table), a bf16 target forward of 1 / 5 / 9 tokens took 39.9 / 105.8 / 136.3 ms with torch and
+39.1 / 46.3 / 63.4 ms with the kernel. In float32 the BLAS matrix-vector path is faster than
+the kernel for a single row (31.7 vs 36.8 ms) while the kernel wins from 2 rows (51.3 vs
+58.0 ms at 5), so float32 keeps torch unless ``ADAPTSPEC_CPU_KERNEL=all``.
 """
 from __future__ import annotations
 
