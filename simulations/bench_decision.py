@@ -1,12 +1,16 @@
-"""Measure the cost of one decision (``policy.choose``) for each adaptive policy.
+"""Measure the cost of a decision for each adaptive policy.
 
     .venv/bin/python simulations/bench_decision.py
 
 Each policy first runs 30 simulated seconds of the load sweep's three-class workload at 14
-requests/s (so its posteriors, cost model and batch picture are warm), then ``choose`` is
-timed for every class under the load of the last step, many times; prints p50 / mean / p99
-in microseconds of wall time, and the process CPU time per decision (less sensitive to other
-processes sharing the cores). A benchmark that prints numbers, not a test.
+requests/s (so its posteriors, cost model and batch picture are warm), then, under the load
+of the last step, many times:
+- ``choose`` for one class at a time (a decision on its own);
+- ``choose_many`` for the three classes (a step's snapshot: how the simulator and the
+  service decide), reported per class decision.
+Prints p50 / mean / p99 in microseconds of wall time, and the process CPU time per decision
+(less sensitive to other processes sharing the cores). A benchmark that prints numbers, not
+a test; the machine's speed moves them by tens of percent from day to day.
 """
 from __future__ import annotations
 
@@ -37,17 +41,24 @@ def main() -> None:
         p = run.policy
         simulate(RunSetup(cost, truths, req, duration_s=30.0, drain_s=0.0), p)
         load = Load(120, 3, 400, 120 * 900)
-        samples = []
-        cpu0 = time.process_time()
-        for i in range(3000):
-            c = names[i % 3]
-            t0 = time.perf_counter()
-            p.choose(c, load)
-            samples.append(time.perf_counter() - t0)
-        cpu_us = (time.process_time() - cpu0) / len(samples) * 1e6
-        us = np.array(samples) * 1e6
-        print(f"{spec.kind:9s} decision wall: p50 {np.percentile(us, 50):6.1f} us  mean {us.mean():6.1f} us  "
-              f"p99 {np.percentile(us, 99):6.1f} us; CPU time per decision {cpu_us:6.1f} us  ({us.size} decisions)")
+        single = _timed(lambda i: p.choose(names[i % 3], load), 3000)
+        snapshot = _timed(lambda i: p.choose_many(names, load), 1000, per=len(names))
+        for label, (us, cpu_us) in (("choose", single), (f"choose_many x{len(names)}", snapshot)):
+            print(f"{spec.kind:9s} {label:15s} per decision: p50 {np.percentile(us, 50):6.1f} us  "
+                  f"mean {us.mean():6.1f} us  p99 {np.percentile(us, 99):6.1f} us; "
+                  f"CPU time {cpu_us:6.1f} us  ({us.size} calls)")
+
+
+def _timed(call, n: int, per: int = 1) -> tuple[np.ndarray, float]:
+    """Wall microseconds per decision of each of ``n`` calls, and mean CPU microseconds."""
+    samples = []
+    cpu0 = time.process_time()
+    for i in range(n):
+        t0 = time.perf_counter()
+        call(i)
+        samples.append(time.perf_counter() - t0)
+    cpu_us = (time.process_time() - cpu0) / (n * per) * 1e6
+    return np.array(samples) * 1e6 / per, cpu_us
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+_clip = np._core.umath.clip if hasattr(np, "_core") else np.core.umath.clip
+
 
 def accepted_length_curve(p: np.ndarray) -> np.ndarray:
     """Expected accepted length (accepted + 1) for k = 0..K, from per-position probs.
@@ -19,7 +21,8 @@ def accepted_length_curve(p: np.ndarray) -> np.ndarray:
     With a constant rate a this is (1 - a^(k+1)) / (1 - a).
     """
     out = np.ones(p.shape[:-1] + (p.shape[-1] + 1,))
-    out[..., 1:] += np.cumsum(np.cumprod(p, axis=-1), axis=-1)
+    # the ufuncs' accumulate is np.cumsum / np.cumprod without their ~2 us wrappers
+    out[..., 1:] += np.add.accumulate(np.multiply.accumulate(p, axis=-1), axis=-1)
     return out
 
 
@@ -37,15 +40,28 @@ def tpot_spread(p: np.ndarray, z: float, short_tokens: float) -> np.ndarray:
     tokens, about ``short_tokens / E[L]`` steps) with unlucky acceptance sees a lower mean
     accepted length than its class: the standard error is sd(L) / sqrt(steps). With
     S_j = P(L >= j + 1) = p_1 ... p_j, E[L] = 1 + sum_j S_j and E[L^2] = 1 + sum_j (2j + 1) S_j.
+    Any leading dimensions of ``p`` are kept (several classes and drafters at once).
     """
-    mean = accepted_length_curve(p)
     if z <= 0:
-        return np.zeros_like(mean)
-    surv = np.cumprod(p, axis=-1)
+        return np.zeros(p.shape[:-1] + (p.shape[-1] + 1,))
+    surv = np.multiply.accumulate(p, axis=-1)
+    mean = np.ones(p.shape[:-1] + (p.shape[-1] + 1,))
+    mean[..., 1:] += np.add.accumulate(surv, axis=-1)
     second = np.ones_like(mean)
-    second[..., 1:] += np.cumsum(surv * (2.0 * np.arange(1, p.shape[-1] + 1) + 1.0), axis=-1)
+    second[..., 1:] += np.add.accumulate(surv * _odd(p.shape[-1]), axis=-1)
     sd = np.sqrt(np.maximum(second - mean * mean, 0.0))
     return z * sd * np.sqrt(mean / short_tokens)
+
+
+_ODD: dict[int, np.ndarray] = {}
+
+
+def _odd(k: int) -> np.ndarray:
+    """[k] 2j + 1 for j = 1..k (the weights of E[L^2])."""
+    w = _ODD.get(k)
+    if w is None:
+        w = _ODD[k] = 2.0 * np.arange(1, k + 1) + 1.0
+    return w
 
 
 def successes_failures(accepted_hist: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -76,23 +92,26 @@ class DiscountedBeta:
     a: np.ndarray = field(init=False)  # [rows, max_k]
     b: np.ndarray = field(init=False)  # [rows, max_k]
     updates: int = field(init=False, default=0)
+    _ab: np.ndarray = field(init=False, repr=False)
+    _prior: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.a = np.full((self.rows, self.max_k), self.prior_a)
-        self.b = np.full((self.rows, self.max_k), self.prior_b)
+        # a and b are views of one [2, rows, max_k] array: one decay touches both
+        self._ab = np.empty((2, self.rows, self.max_k))
+        self.a, self.b = self._ab
+        self.a[:] = self.prior_a
+        self.b[:] = self.prior_b
+        self._prior = np.array([self.prior_a, self.prior_b])[:, None] * (1 - self.discount)
 
     def update(self, accepted_hist: np.ndarray, row: int = 0) -> None:
         h = accepted_hist[: self.max_k + 1]
         n = h.size - 1
-        g = self.discount
-        a, b = self.a[row], self.b[row]
         # decay the evidence (not the prior) so an old regime is forgotten
-        a *= g
-        a += (1 - g) * self.prior_a
-        b *= g
-        b += (1 - g) * self.prior_b
-        a[:n] += np.cumsum(h[::-1])[-2::-1]  # successes at position i: accepted >= i
-        b[:n] += h[:n]  # failures at position i: accepted == i - 1
+        ab = self._ab[:, row]
+        ab *= self.discount
+        ab += self._prior
+        self.a[row, :n] += np.add.accumulate(h[::-1])[-2::-1]  # successes at position i: accepted >= i
+        self.b[row, :n] += h[:n]  # failures at position i: accepted == i - 1
         self.updates += 1
 
     def mean(self) -> np.ndarray:
@@ -110,8 +129,12 @@ class DiscountedBeta:
         Moment-matched normal approximation of each Beta, clipped to (0, 1): exact Beta
         draws cost ~20 us per call in numpy, more than the whole decision budget.
         """
-        m, sd = moments if moments is not None else self.moments()
+        return self.sample_from(moments if moments is not None else self.moments(), z)
+
+    @staticmethod
+    def sample_from(moments: tuple[np.ndarray, np.ndarray], z: np.ndarray) -> np.ndarray:
+        """``sample`` from given moments; any leading dimensions (several posteriors at once)."""
+        m, sd = moments
         x = sd * z
         x += m
-        np.maximum(x, 1e-4, out=x)
-        return np.minimum(x, 1.0 - 1e-4, out=x)
+        return _clip(x, 1e-4, 1.0 - 1e-4, out=x)  # the ufunc: np.clip's wrapper costs more than the clip

@@ -69,6 +69,21 @@ class Policy:
         self.stats.observe_decision(request_class, arm, self._clock() - t0)
         return arm
 
+    def choose_many(self, classes: list[str], load: Load) -> list[Arm]:
+        """One arm per class for the same load: a step's (or a snapshot's) decisions at once.
+
+        The same arms as ``choose`` for each class in turn; a policy that vectorises its
+        decision (``_choose_many``) makes them in one pass. Each decision's recorded cost is
+        its share of the pass."""
+        if len(classes) <= 1:
+            return [self.choose(c, load) for c in classes]
+        t0 = self._clock()
+        arms = self._choose_many(classes, load)
+        share = (self._clock() - t0) / max(len(classes), 1)
+        for c, arm in zip(classes, arms):
+            self.stats.observe_decision(c, arm, share)
+        return arms
+
     def observe(self, outcome: StepOutcome) -> None:
         self.picture.observe(outcome)
         self._observe(outcome)
@@ -76,6 +91,9 @@ class Policy:
 
     def _choose(self, request_class: str, load: Load) -> Arm:  # pragma: no cover - abstract
         raise NotImplementedError
+
+    def _choose_many(self, classes: list[str], load: Load) -> list[Arm]:
+        return [self._choose(c, load) for c in classes]
 
     def _observe(self, outcome: StepOutcome) -> None:
         pass

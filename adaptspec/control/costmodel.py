@@ -26,6 +26,12 @@ class StepCostModel(Protocol):
     The draft model runs one forward per drafted position; at position j it carries the
     other classes' requests still drafting (``draft_other[j]``) plus this class's
     ``n_class`` requests when the candidate drafts with the draft model beyond j.
+
+    A model that sets ``batched = True`` also takes several deciding classes at once (the
+    planner's ``plan_many``): ``verify_tokens`` and ``ngram_requests`` [C, A],
+    ``draft_other`` [C, K], ``n_class`` [C, 1], and ``draft_depth`` [C] (the nonzero
+    positions of each ``draft_other`` row, which the planner knows), returning [C, A], each
+    row exactly what the one-class call returns.
     """
 
     def predict(
@@ -76,11 +82,20 @@ class _DiscountedRidge:
     b: np.ndarray = field(init=False)
     theta: np.ndarray = field(init=False)
     _dirty: bool = field(init=False, default=False)
+    _diag: np.ndarray = field(init=False, repr=False)
+    _prior_b: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.A = self.prior_weight * np.eye(self.dim)
         self.b = self.prior_weight * self.theta0.copy()
         self.theta = self.theta0.copy()
+        self._keep()
+
+    def _keep(self) -> None:
+        """What every update adds back of the prior: (1 - g) of its weight on A's diagonal
+        (a view, so updates touch it in place) and of its theta0 in b."""
+        self._diag = self.A.reshape(-1)[:: self.dim + 1]
+        self._prior_b = (1 - self.discount) * self.prior_weight * self.theta0
 
     def seed(self, X: np.ndarray, y: np.ndarray, weight: float) -> None:
         """Absorb pseudo-observations (from a profile) into the prior."""
@@ -91,15 +106,16 @@ class _DiscountedRidge:
         self.A = A0
         self.b = b0
         self.theta = self.theta0.copy()
+        self._keep()
 
     def update(self, x: np.ndarray, y: float) -> None:
         g = self.discount
         self.A *= g
         # keep (1 - g) of the prior each step so discounting never forgets it
-        self.A.flat[:: self.dim + 1] += (1 - g) * self.prior_weight
+        self._diag += (1 - g) * self.prior_weight
         self.A += x[:, None] * x
         self.b *= g
-        self.b += (1 - g) * self.prior_weight * self.theta0 + y * x
+        self.b += self._prior_b + y * x
         self._dirty = True
 
     def coef(self) -> np.ndarray:
@@ -109,6 +125,9 @@ class _DiscountedRidge:
         return self.theta
 
 
+# np.interp's compiled core: the public wrapper's argument checks cost more than the
+# interpolation of a few dozen points (same result; the wrapper where the core is absent)
+_interp = getattr(getattr(np, "_core", getattr(np, "core", None)).multiarray, "interp", np.interp)
 _XS = np.array((0.0,) + VERIFY_KNOTS + (1e6,))
 _BASIS = verify_features(_XS, 0.0)[:, :-1]  # the verify curve at its knots, per coefficient
 
@@ -181,19 +200,25 @@ class OnlineStepCost:
         self._dl = [float(x) for x in self.draft.coef()]
         self._stale = False
 
-    def predict(self, verify_tokens, context_tokens, draft_other, n_class, k_draft, ngram_requests, mean_context):
+    batched = True  # predict takes [C, ...] rows (see StepCostModel)
+
+    def predict(self, verify_tokens, context_tokens, draft_other, n_class, k_draft, ngram_requests, mean_context,
+                draft_depth=None):
         if self._stale:
             self._refresh()
         d0, d1, d2, d3 = self._dl
-        other_fwd = int(np.count_nonzero(draft_other))
-        key = (id(k_draft), other_fwd)
+        # the others' deepest draft forward
+        other_fwd = np.count_nonzero(draft_other, axis=-1) if draft_depth is None else draft_depth
+        key = (id(k_draft), other_fwd.tobytes() if isinstance(other_fwd, np.ndarray) else int(other_fwd))
         forwards = self._fwd.get(key)
         if forwards is None:  # draft forwards per candidate: its k or the others' deepest
-            forwards = self._fwd[key] = np.maximum(k_draft, other_fwd).astype(float)
+            forwards = self._fwd[key] = np.maximum(k_draft, np.asarray(other_fwd)[..., None]).astype(float)
             self._fwd_keep.append(k_draft)
         per_token = (d1 + d2 * mean_context * _TOK) * _TOK
-        const = self._ctx_coef * context_tokens + self.other_s + per_token * float(np.add.reduce(draft_other))
-        t = np.interp(verify_tokens, self._xs, self._ys)
+        # [C, 1] (or [1] for one class): the part every candidate of a class shares
+        const = self._ctx_coef * context_tokens + self.other_s + per_token * np.add.reduce(draft_other, axis=-1,
+                                                                                           keepdims=True)
+        t = _interp(verify_tokens, self._xs, self._ys)
         t += d0 * forwards
         t += (per_token * n_class) * k_draft
         t += (d3 * _TOK) * ngram_requests

@@ -32,6 +32,7 @@ class OraclePolicy(Policy):
         self.planner = Planner(self.table, self.targets, margin)
         self.spread_z, self.short_tokens = spread_z, short_tokens
         self._lengths: dict[tuple[str, bool], np.ndarray] = {}
+        self._stacked: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]] = {}  # lengths of class lists
 
     def lengths(self, request_class: str, tpot: bool = False) -> np.ndarray:
         """[A] true expected accepted length per arm; ``tpot``: the length its TPOT is
@@ -50,14 +51,22 @@ class OraclePolicy(Policy):
     def invalidate(self) -> None:
         """Forget cached truths (the simulator calls this when a class's acceptance shifts)."""
         self._lengths.clear()
+        self._stacked.clear()
 
     def _choose(self, request_class: str, load: Load) -> Arm:
-        live = [(c, s.arm) for c, s in self.picture.classes.items() if c != request_class and s.share > 0]
+        return self._choose_many([request_class], load)[0]
+
+    def _choose_many(self, classes: list[str], load: Load) -> list[Arm]:
+        live = [(c, s.arm) for c, s in self.picture.classes.items() if s.share > 0]
         others = {c: float(self.lengths(c)[self.table.index(arm)]) for c, arm in live}
         budget = {c: self.table.budget_length(self.lengths(c, tpot=True), arm) for c, arm in live}
-        i = self.planner.plan(request_class, load, self.picture, self.lengths(request_class), others, self.cost, budget,
-                              self.lengths(request_class, tpot=True))
-        return self.table.arms[i]
+        key = tuple(classes)
+        L = self._stacked.get(key)
+        if L is None:
+            L = self._stacked[key] = (np.stack([self.lengths(c) for c in classes]),
+                                      np.stack([self.lengths(c, tpot=True) for c in classes]))
+        idx = self.planner.plan_many(classes, load, self.picture, L[0], others, self.cost, budget, L[1])
+        return [self.table.arms[i] for i in idx]
 
     def describe_targets(self) -> str:
         return "as the model-based policy, with the true models"

@@ -132,6 +132,7 @@ class _Mix:
     emitted: float  # emitted tokens per other request
     draft: np.ndarray  # [K] fraction of other requests drafting with the draft model at j
     ngram: float  # fraction of other requests drafting with n-gram lookup
+    depth: int  # deepest position any other request drafts with the draft model
     budget: float  # step-time budget set by other classes' TPOT targets (inf: none)
 
 
@@ -176,7 +177,8 @@ class Planner:
                 draft[: s.arm.k] += w
             elif s.arm.drafter == "ngram":
                 ngram += w
-        mix = self._mixes[request_class] = _Mix(share, tokens, emitted, draft, ngram, budget)
+        mix = self._mixes[request_class] = _Mix(share, tokens, emitted, draft, ngram, int(np.count_nonzero(draft)),
+                                                budget)
         return mix
 
     def plan(
@@ -196,42 +198,76 @@ class Planner:
         latency class's TPOT budget is computed with (see ``ArmTable.budget_length``);
         ``tpot_length`` (default: ``accepted_length``) the one this class's own TPOT is
         (see ``acceptance.tpot_length_curve``: the mean less the spread a short request sees)."""
+        return self.plan_many([request_class], load, picture, accepted_length[None, :], others_length, cost,
+                              others_budget, None if tpot_length is None else tpot_length[None, :])[0]
+
+    def plan_many(
+        self,
+        classes: list[str],
+        load: Load,
+        picture: BatchPicture,
+        accepted_length: np.ndarray,  # [C, A] per deciding class
+        others_length: dict[str, float],
+        cost: StepCostModel,
+        others_budget: dict[str, float] | None = None,
+        tpot_length: np.ndarray | None = None,  # [C, A]
+    ) -> list[int]:
+        """``plan`` for several classes under the same load in one pass (a step's snapshot).
+
+        Each class is planned against the batch picture alone, not against the others' new
+        choices, so row ``i`` is exactly ``plan(classes[i], ...)``; the arrays just carry a
+        row per class, which costs about what one class does."""
         t = self.table
-        mix = self._mix(request_class, picture, others_length, others_budget)
+        C = len(classes)
         B = max(load.batch_size, 1)
-        n_c = max(B * mix.share, 1.0)
-        n_o = max(B - n_c, 0.0)
         ctx = load.context_tokens or picture.context_per_request * B
-        verify = (picture.prefill_tokens + n_o * mix.tokens) + n_c * t.kp1
-        ngram = n_o * mix.ngram + n_c * t.ngram_f
-        T = cost.predict(verify, ctx, n_o * mix.draft, n_c, t.k_draft, ngram, ctx / B)
-        L = accepted_length
+        K = t.below_k.shape[1]
+        col = np.empty((6, C, 1))  # per class: verify base, n_c, n-gram base, emitted base, TPOT scale, budget
+        draft_other = np.empty((C, K))
+        depth = np.empty(C, dtype=np.intp)  # the draft forwards the others need (0 when there are none)
+        for i, c in enumerate(classes):
+            mix = self._mix(c, picture, others_length, others_budget)
+            n_c = max(B * mix.share, 1.0)
+            n_o = max(B - n_c, 0.0)
+            tgt = self.targets.get(c)
+            draft_other[i] = n_o * mix.draft
+            depth[i] = mix.depth if n_o > 0 else 0
+            col[:, i, 0] = (picture.prefill_tokens + n_o * mix.tokens, n_c, n_o * mix.ngram, n_o * mix.emitted,
+                            self.margin * tgt.tpot_s if tgt is not None and tgt.tpot_s is not None else np.inf,
+                            mix.budget)
+        verify0, n_c, ngram0, emitted0, scale, budget = col
+        verify = verify0 + n_c * t.kp1
+        ngram = ngram0 + n_c * t.ngram_f
+        if getattr(cost, "batched", False):
+            T = cost.predict(verify, ctx, draft_other, n_c, t.k_draft, ngram, ctx / B, draft_depth=depth)
+        else:
+            T = np.stack([cost.predict(verify[i], ctx, draft_other[i], float(n_c[i, 0]), t.k_draft, ngram[i], ctx / B)
+                          for i in range(C)])
         # with requests waiting, a step also serves prefill work (the chunk it carries):
         # value it in decode-token equivalents, so long steps pay for delaying admission
         backlog = picture.emitted if load.queued > 0 and picture.prefill_tokens > 0 else 0.0
-        goodput = (n_o * mix.emitted + n_c * L + backlog) / T
-        budget = mix.budget
-        tgt = self.targets.get(request_class)
-        if tgt is not None and tgt.tpot_s is not None:
-            L_t = L if tpot_length is None else tpot_length
-            limit = L_t * (self.margin * tgt.tpot_s)  # step time that keeps this class's TPOT in target
-            if budget < np.inf:
-                np.minimum(limit, budget, out=limit)
-        elif budget < np.inf:
-            limit = budget
-        else:
-            return int(np.argmax(goodput))
+        goodput = (emitted0 + n_c * accepted_length + backlog) / T
+        # the step time that keeps each class's TPOT in target (its own, and every other
+        # latency class's budget); inf where neither applies, so the best goodput wins
+        # (fmin: a class without a target has scale inf, and a length of 0 times inf is nan)
+        limit = (accepted_length if tpot_length is None else tpot_length) * scale
+        np.fmin(limit, budget, out=limit)
         masked = np.where(T <= limit, goodput, -np.inf)
-        i = int(np.argmax(masked))
-        if masked[i] > -np.inf:
-            return i
-        # nothing feasible (a long step: a burst of prefill, a full batch). With requests
-        # waiting for admission, their TTFT hangs on throughput alone: take the best goodput.
-        # Otherwise the best goodput would hand the step to the very arms that make the
-        # latency classes miss; take the arm closest to every target instead, the smallest
-        # worst-case ratio of predicted step time to budget (T / limit), counting ratios
-        # within RATIO_TIE of it as ties that goodput breaks.
-        if load.queued > 0:
-            return int(np.argmax(goodput))
-        r = T / limit
-        return int(np.argmax(np.where(r <= r.min() * (1.0 + RATIO_TIE), goodput, -np.inf)))
+        out = masked.argmax(axis=1)
+        top = np.maximum.reduce(masked, axis=1)
+        if -np.inf in top.tolist():
+            stuck = top == -np.inf
+            # nothing feasible for these classes (a long step: a burst of prefill, a full
+            # batch). With requests waiting for admission, their TTFT hangs on throughput
+            # alone: take the best goodput. Otherwise the best goodput would hand the step to
+            # the very arms that make the latency classes miss; take the arm closest to every
+            # target instead, the smallest worst-case ratio of predicted step time to budget
+            # (T / limit), counting ratios within RATIO_TIE of it as ties that goodput breaks.
+            if load.queued > 0:
+                fallback = goodput.argmax(axis=1)
+            else:
+                r = T / limit
+                close = r <= np.minimum.reduce(r, axis=1, keepdims=True) * (1.0 + RATIO_TIE)
+                fallback = np.where(close, goodput, -np.inf).argmax(axis=1)
+            out = np.where(stuck, fallback, out)
+        return out.tolist()

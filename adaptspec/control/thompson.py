@@ -62,6 +62,10 @@ class ModelBasedThompson(Policy):
         self._others_version = -(10**9)
         self._z = np.zeros(0)
         self._zpos = 0
+        self._stacked: dict[tuple[str, ...], tuple[np.ndarray, np.ndarray]] = {}  # moments of class lists
+        self._stacked_spreads: dict[tuple[str, ...], np.ndarray | None] = {}
+        self._no_spread = np.zeros(len(self.table.arms))
+        self._len_buf: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
 
     def _posterior(self, request_class: str) -> DiscountedBeta:
         post = self.posteriors.get(request_class)
@@ -70,34 +74,79 @@ class ModelBasedThompson(Policy):
                 self.config.max_k, len(self._drafters), self.ts.discount)
         return post
 
-    def _probs(self, request_class: str, sample: bool) -> np.ndarray:
-        """[drafters, max_k] per-position acceptance: a posterior draw or the posterior mean."""
-        post = self._posterior(request_class)
+    def _moments_of(self, request_class: str) -> tuple[np.ndarray, np.ndarray]:
+        """Posterior mean and sd [drafters, max_k], refreshed with the other caches."""
         mom = self._moments.get(request_class)
         if mom is None:
-            mom = self._moments[request_class] = post.moments()
-        return post.sample(self._normals(post.a.size).reshape(post.a.shape), mom) if sample else mom[0]
+            mom = self._moments[request_class] = self._posterior(request_class).moments()
+        return mom
 
     def _lengths(self, request_class: str, sample: bool) -> np.ndarray:
-        """[A] expected accepted length of every arm in the table (rows follow the table)."""
-        p = self._probs(request_class, sample)
-        out = np.empty(len(self.table.arms))
-        out[0] = 0.0
-        np.cumsum(np.cumprod(p, axis=1), axis=1, out=out[1:].reshape(p.shape))
-        out += 1.0
-        return out
+        """[A] expected accepted length of every arm in the table (rows follow the table):
+        from a posterior draw, or from the posterior mean."""
+        if sample:
+            return self._sampled_lengths([request_class])[0]
+        return self._table_lengths(self._moments_of(request_class)[0])
+
+    def _table_lengths(self, p: np.ndarray) -> np.ndarray:
+        """[..., drafters, max_k] per-position acceptance -> [..., A] accepted length per arm."""
+        buf = self._len_buf.get(p.shape)
+        if buf is None:  # column 0 (no speculation) stays 0; the rest is overwritten every call
+            acc = np.zeros(p.shape[:-2] + (len(self.table.arms),))
+            buf = self._len_buf[p.shape] = (acc, acc[..., 1:].reshape(p.shape))
+        # the ufuncs' accumulate, not np.cumsum / np.cumprod: the same loops without ~2 us of wrapper each
+        np.add.accumulate(np.multiply.accumulate(p, axis=-1), axis=-1, out=buf[1])
+        return buf[0] + 1.0
+
+    def _sampled_lengths(self, classes: list[str]) -> np.ndarray:
+        """[C, A] accepted lengths from one posterior draw per class (normals drawn class by
+        class from the seeded stream, so a class's draw does not depend on who else decides)."""
+        R, K = len(self._drafters), self.config.max_k
+        key = tuple(classes)
+        mom = self._stacked.get(key)
+        if mom is None:
+            m = [self._moments_of(c) for c in classes]
+            mom = self._stacked[key] = (np.stack([x[0] for x in m]), np.stack([x[1] for x in m]))
+        n, C = R * K, len(classes)
+        if self._zpos + C * n <= self._z.size:  # the same normals as C draws of n, as one view
+            self._zpos += C * n
+            z = self._z[self._zpos - C * n: self._zpos].reshape(C, R, K)
+        else:
+            z = np.empty((C, R, K))
+            for i in range(C):
+                z[i] = self._normals(n).reshape(R, K)
+        return self._table_lengths(DiscountedBeta.sample_from(mom, z))
 
     def _spread(self, request_class: str) -> np.ndarray:
         """[A] how far below an arm's accepted length its TPOT budget is taken (z standard
         errors of a short request's mean, ``acceptance.tpot_spread``), from the posterior
         mean; refreshed with the moments."""
         sp = self._spreads.get(request_class)
-        if sp is None:
-            sp = np.zeros(len(self.table.arms))
-            sp[1:] = tpot_spread(self._probs(request_class, sample=False), self.ts.spread_z,
-                                 self.ts.short_tokens)[:, 1:].reshape(-1)
-            self._spreads[request_class] = sp
-        return sp
+        return sp if sp is not None else self._compute_spreads([request_class])[0]
+
+    def _compute_spreads(self, classes: list[str]) -> list[np.ndarray]:
+        """``_spread`` of several classes in one pass over their stacked posterior means."""
+        sp = tpot_spread(np.stack([self._moments_of(c)[0] for c in classes]), self.ts.spread_z, self.ts.short_tokens)
+        out = []
+        for c, row in zip(classes, sp):
+            arr = np.zeros(len(self.table.arms))
+            arr[1:] = row[:, 1:].reshape(-1)
+            out.append(self._spreads.setdefault(c, arr))
+        return out
+
+    def _stacked_spread(self, classes: list[str]) -> np.ndarray | None:
+        """[C, A] ``_spread`` of each class (None when no class has a target or z is 0); rows
+        of classes without a target are never read (the planner has no TPOT to budget)."""
+        key = tuple(classes)
+        if key not in self._stacked_spreads:
+            sp = None
+            if self.ts.spread_z > 0 and any(c in self.targets for c in classes):
+                missing = [c for c in classes if c in self.targets and c not in self._spreads]
+                if missing:
+                    self._compute_spreads(missing)
+                sp = np.stack([self._spreads[c] if c in self.targets else self._no_spread for c in classes])
+            self._stacked_spreads[key] = sp
+        return self._stacked_spreads[key]
 
     def _normals(self, n: int) -> np.ndarray:
         """Standard normals drawn in blocks from the seeded generator (cheap per decision)."""
@@ -108,17 +157,19 @@ class ModelBasedThompson(Policy):
         return self._z[self._zpos - n: self._zpos]
 
     def _choose(self, request_class: str, load: Load) -> Arm:
-        L = self._lengths(request_class, sample=True)
-        L_t = None
-        if self.ts.spread_z > 0 and request_class in self.targets:
-            L_t = np.maximum(L - self._spread(request_class), 1.0)
+        return self._choose_many([request_class], load)[0]
+
+    def _choose_many(self, classes: list[str], load: Load) -> list[Arm]:
+        L = self._sampled_lengths(classes)
+        sp = self._stacked_spread(classes)
+        L_t = None if sp is None else np.maximum(L - sp, 1.0)
         if self.picture.version - self._others_version >= 8:  # refreshed every 8 observed steps
             live = [(c, s.arm) for c, s in self.picture.classes.items() if s.share > 0]
             self._others = {c: self._mean_length(c, arm) for c, arm in live}
             self._others_budget = {c: self.table.budget_length(self._budget_curve(c), arm) for c, arm in live}
             self._others_version = self.picture.version
-        i = self.planner.plan(request_class, load, self.picture, L, self._others, self.cost, self._others_budget, L_t)
-        return self.table.arms[i]
+        idx = self.planner.plan_many(classes, load, self.picture, L, self._others, self.cost, self._others_budget, L_t)
+        return [self.table.arms[i] for i in idx]
 
     def _budget_curve(self, request_class: str) -> np.ndarray:
         """[A] posterior-mean accepted lengths a class's TPOT budget on the others uses."""
@@ -140,7 +191,9 @@ class ModelBasedThompson(Policy):
         if self._observed % 4 == 0:  # posterior moments move slowly: refresh every 4 steps
             self._mean_curves.clear()
             self._moments.clear()
+            self._stacked.clear()
             self._spreads.clear()
+            self._stacked_spreads.clear()
         for g in outcome.groups:
             if g.arm.k > 0 and g.arm.drafter in self._row:
                 self._posterior(g.request_class).update(g.accepted_hist, self._row[g.arm.drafter])

@@ -124,8 +124,9 @@ class ControlCore:
             self._emitted[d.request_class].append((now, d.emitted))
 
     def _refresh(self, load: Load) -> PolicySnapshot:
-        for c in self.classes:
-            self.current[c] = self.pins.get(c) or self.policy.choose(c, load)
+        free = [c for c in self.classes if c not in self.pins]
+        self.current.update(zip(free, self.policy.choose_many(free, load) if free else []))
+        self.current.update((c, arm) for c, arm in self.pins.items() if c in self.classes)
         self.version += 1
         return self.snapshot()
 

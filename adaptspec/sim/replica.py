@@ -132,10 +132,11 @@ class Replica:
         ngram = 0
         decode_tokens = 0
         start = 0
-        for c in np.flatnonzero(counts):
+        deciding = np.flatnonzero(counts).tolist()
+        arms = self.policy.choose_many([self.classes[c].name for c in deciding], load)
+        for c, arm in zip(deciding, arms):
             n = int(counts[c])
             truth = self.classes[c]
-            arm = self.policy.choose(truth.name, load)
             if arm.k > 0:
                 model = truth.at(now).get(arm.drafter)
                 if model is not None:
