@@ -179,9 +179,15 @@ class LlamaModel:
         """Run the new tokens of each row over its cached prefix and extend the cache.
 
         Returns ``(logits, hidden)``: logits ``[N, vocab]`` for the requested rows and the
-        final (normed) hidden states ``[B, T, hidden]`` of every position, which a
-        feature-level draft head can consume at no extra cost. A draft head passes its own
-        ``inputs_embeds`` (``input_ids`` then only gives the shape).
+        final (normed) hidden states ``[B, T, hidden]`` of every position (zeros past a row's
+        tokens), which a feature-level draft head can consume at no extra cost. A draft head
+        passes its own ``inputs_embeds`` (``input_ids`` then only gives the shape).
+
+        Rows of different lengths (prompts of different sizes, requests verifying different
+        k) are not padded through the layers: the norms, projections and MLP run on the real
+        tokens only, packed one after another, and only attention sees the [B, T] layout.
+        A batch mixing k = 0 and k = 4 rows costs the tokens it has, not B x 5, which is what
+        the controller's cost model (verify time by the step's total tokens) assumes.
         """
         c, dev = self.cfg, self.device
         B, T = input_ids.shape
@@ -190,14 +196,17 @@ class LlamaModel:
         t = torch.arange(T, device=dev)
         positions = lens[:, None] + t[None, :]  # [B, T]
         real = t[None, :] < ntok[:, None]  # [B, T]
-        slot_t = torch.tensor(slots, device=dev)[:, None].expand(B, T)
-        # padding tokens write into the scratch slot at their own column index
-        write_slot = torch.where(real, slot_t, torch.full_like(slot_t, self.scratch_slot))
-        write_pos = torch.where(real, positions, t[None, :].expand(B, T))
-        positions = torch.where(real, positions, torch.zeros_like(positions))
         ctx = max(l + n for l, n in zip(cache_lens, num_tokens))
         if ctx > self.max_len:
             raise ValueError(f"context of {ctx} tokens exceeds the KV cache length {self.max_len}")
+        padded = any(n != T for n in num_tokens)
+        # the real tokens, packed: flat index b * T + t of each, and its slot and position
+        flat_idx = real.reshape(-1).nonzero().squeeze(1) if padded else None
+        pick = (lambda x: x.reshape(B * T, *x.shape[2:]).index_select(0, flat_idx)) if padded else (  # noqa: E731
+            lambda x: x.reshape(B * T, *x.shape[2:]))
+        slot_p = pick(torch.tensor(slots, device=dev)[:, None].expand(B, T))  # [N]
+        pos_p = pick(positions)  # [N]
+        N = pos_p.shape[0]
         contiguous = all(s == slots[0] + i for i, s in enumerate(slots))
         key_pos = torch.arange(ctx, device=dev)
         if T == 1 and len(set(cache_lens)) == 1:
@@ -206,37 +215,45 @@ class LlamaModel:
             mask = (key_pos[None, None, :] <= positions[:, :, None]) & real[:, :, None]
             mask = mask | ~real[:, :, None]  # padding queries see everything (outputs ignored)
             mask = mask[:, None]
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, D]
+        cos, sin = self.cos[pos_p][:, None], self.sin[pos_p][:, None]  # [N, 1, D]
 
-        h = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds  # [B, T, hidden]
+        h = pick(F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds)  # [N, hidden]
         nq, nkv, hd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
+        q_pad = torch.zeros(B * T, c.num_heads, hd, dtype=h.dtype, device=dev) if padded else None
         for li, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
             x = F.rms_norm(h, (c.hidden_size,), ln1, c.rms_norm_eps)
             qkv = self._mm(x, qkv_w, qkv_b)
-            q = qkv[..., :nq].view(B, T, c.num_heads, hd).transpose(1, 2)  # [B, H, T, D]
-            k = qkv[..., nq:nq + nkv].view(B, T, c.num_kv_heads, hd).transpose(1, 2)
-            v = qkv[..., nq + nkv:].view(B, T, c.num_kv_heads, hd)
+            q = qkv[:, :nq].view(N, c.num_heads, hd)  # [N, H, D]
+            k = qkv[:, nq:nq + nkv].view(N, c.num_kv_heads, hd)
+            v = qkv[:, nq + nkv:].view(N, c.num_kv_heads, hd)
             q = q * cos + _rotate_half(q) * sin
             k = k * cos + _rotate_half(k) * sin
             kc, vc = self.k_cache[li], self.v_cache[li]
-            kc[write_slot, :, write_pos] = k.transpose(1, 2)  # [B, T, Hkv, D] into [slots, Hkv, L, D]
-            vc[write_slot, :, write_pos] = v
+            kc[slot_p, :, pos_p] = k  # [N, Hkv, D] into [slots, Hkv, L, D]
+            vc[slot_p, :, pos_p] = v
             if contiguous:
                 keys, values = kc[slots[0]:slots[0] + B, :, :ctx], vc[slots[0]:slots[0] + B, :, :ctx]
             else:
                 idx = torch.tensor(slots, device=dev)
                 keys, values = kc[idx, :, :ctx], vc[idx, :, :ctx]
-            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
-                                               enable_gqa=c.num_kv_heads != c.num_heads)
-            h = h + self._mm(a.transpose(1, 2).reshape(B, T, nq), o_w)
+            if padded:  # attention alone sees [B, T]; padding queries are zeros, their outputs dropped
+                q = q_pad.index_copy_(0, flat_idx, q)
+            a = F.scaled_dot_product_attention(q.view(B, T, c.num_heads, hd).transpose(1, 2), keys, values,
+                                               attn_mask=mask, enable_gqa=c.num_kv_heads != c.num_heads)
+            h = h + self._mm(pick(a.transpose(1, 2)).reshape(N, nq), o_w)
             x = F.rms_norm(h, (c.hidden_size,), ln2, c.rms_norm_eps)
             gu = self._mm(x, gate_up_w)
-            h = h + self._mm(F.silu(gu[..., :c.intermediate_size]) * gu[..., c.intermediate_size:], down_w)
-        hidden = F.rms_norm(h, (c.hidden_size,), self.norm, c.rms_norm_eps)
-        flat = hidden.reshape(B * T, c.hidden_size)
+            h = h + self._mm(F.silu(gu[:, :c.intermediate_size]) * gu[:, c.intermediate_size:], down_w)
+        hidden_p = F.rms_norm(h, (c.hidden_size,), self.norm, c.rms_norm_eps)  # [N, hidden]
+        if padded:
+            hidden = torch.zeros(B * T, c.hidden_size, dtype=hidden_p.dtype, device=dev)
+            hidden.index_copy_(0, flat_idx, hidden_p)
+        else:
+            hidden = hidden_p
+        flat = hidden
         if logits_rows is not None:
             flat = flat.index_select(0, logits_rows)
-        return self._mm(flat, self.lm_head), hidden
+        return self._mm(flat, self.lm_head), hidden.view(B, T, c.hidden_size)
 
     def _mm(self, x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         if not self.fast:

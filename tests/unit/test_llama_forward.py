@@ -30,6 +30,28 @@ def _prefill_then_ragged(hf, m, vocab, tol):
     assert (lg2[0] - ref[0, 16:24]).abs().max() <= tol
     assert (lg2[1, :5] - ref[1, 16:21]).abs().max() <= tol
     assert hidden.shape == (2, 8, m.cfg.hidden_size)
+    assert (hidden[1, 5:] == 0).all()  # padding positions carry no features
+
+
+def test_padding_never_reaches_the_matmuls(tiny_dir):
+    """Rows of different lengths run their real tokens only through the projections and the
+    MLP (a batch mixing k = 0 and k = 4 costs its tokens, not rows x 5); the results are the
+    rows run one at a time."""
+    _, m = _ours(tiny_dir, "fast")
+    seen = []
+    mm = m._mm
+    m._mm = lambda x, w, b=None: (seen.append(x.shape[0]), mm(x, w, b))[1]
+    torch.manual_seed(1)
+    ids = torch.randint(0, m.cfg.vocab_size, (3, 12))
+    m.forward(ids[:, :7], [0, 1, 2], [0, 0, 0], [7, 7, 7])
+    seen.clear()
+    lg, _ = m.forward(ids[:, 7:12], [0, 1, 2], [7, 7, 7], [1, 5, 2], torch.tensor([0, 5, 6, 7, 8, 9, 10, 11]))
+    assert set(seen[:-1]) == {1 + 5 + 2}  # every layer's matmuls: 8 real tokens, not 3 x 5
+    for r, (n, rows) in enumerate([(1, [0]), (5, [1, 2, 3, 4, 5]), (2, [6, 7])]):
+        _, alone = _ours(tiny_dir, "fast")
+        alone.forward(ids[r:r + 1, :7], [0], [0], [7])
+        lg1, _ = alone.forward(ids[r:r + 1, 7:7 + n], [0], [7], [n])
+        assert (lg[rows] - lg1).abs().max() <= 1e-5
 
 
 @pytest.mark.parametrize("model_type,tie", [("llama", False), ("llama", True), ("qwen2", False)])
