@@ -210,11 +210,13 @@ def loadtest(
     app_name: str = typer.Option("adaptspec", "--app"),
     concurrency: str = typer.Option("1,4,16", help="comma-separated concurrency levels"),
     classes: str = typer.Option("chat,code_edit,extraction", help="comma-separated request classes"),
-    duration: float = typer.Option(20.0, help="seconds per level"),
+    duration: float = typer.Option(20.0, help="measured seconds per level and run: tokens that arrive in "
+                                             "the window, requests that finish in it"),
     max_tokens: int = typer.Option(64),
     policies: str = typer.Option("", help="comma-separated policies to compare via UpdatePolicy "
                                           "(e.g. thompson,static:none:0,static:draft:4); empty: as deployed"),
-    warmup: float = typer.Option(5.0, help="seconds of load before each measured run (learning)"),
+    warmup: float = typer.Option(5.0, help="seconds of load before each measured window (learning); the "
+                                           "clients keep going into the window, so its load is steady"),
     rounds: int = typer.Option(1, help="measured runs per policy and level, interleaving the policies "
                                        "(seconds measured per policy and level: rounds x duration)"),
     slo_ttft: float = typer.Option(2.0, help="TTFT SLO (s) for goodput"),
@@ -260,18 +262,16 @@ def loadtest(
                 # rounds interleave the policies (order reversed every other round), so drift in
                 # the machine's load hits every policy alike; each run has its own warm-up
                 recs: dict[str, list] = {p: [] for p in pols}
-                walls = dict.fromkeys(pols, 0.0)
+                windows: dict[str, list] = {p: [] for p in pols}
                 for r in range(rounds):
                     for pol in pols if r % 2 == 0 else pols[::-1]:
                         if pol != c.policy().policy:
                             c.update_policy(pol)
-                        if warmup > 0:
-                            run_level(c, n, warmup, spec)
-                        got, wall = run_level(c, n, duration, spec)
+                        got, window = run_level(c, n, duration, spec, warmup_s=warmup)
                         recs[pol] += got
-                        walls[pol] += wall
+                        windows[pol].append(window)
                 for pol in pols:
-                    s = summarize(pol, n, recs[pol], walls[pol], spec)
+                    s = summarize(pol, n, recs[pol], windows[pol], spec)
                     results.append(s)
                     console.print(f"{pol:>18} c={n:<3} {s.throughput_tokens_per_s:7.1f} tok/s  goodput "
                                   f"{s.goodput_requests_per_s:5.2f} req/s  e2e p50 {s.e2e_p50_s:.2f}s  "

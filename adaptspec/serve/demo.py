@@ -75,8 +75,8 @@ def run_demo(config_path: str | None, levels: list[int], level_seconds: float, m
             th.start()
             for n in levels:
                 state["level"] = n
-                recs, wall = run_level(client, n, level_seconds, spec)
-                summaries.append(summarize("live", n, recs, wall, spec))
+                recs, window = run_level(client, n, level_seconds, spec)
+                summaries.append(summarize("live", n, recs, window, spec))
             state["stop"] = True
             th.join(timeout=5)
         _print_summary(console, summaries)

@@ -1,10 +1,15 @@
 """A bounded closed-loop load generator on loopback gRPC, and the overhead probe.
 
-``run_level``: ``concurrency`` client threads, each streaming one request after another
-for ``duration_s`` with classes taken round-robin; per request it records TTFT (first
-chunk with tokens), TPOT ((E2E - TTFT) / (tokens - 1)), E2E, tokens and the arms the
-controller used. ``summarize`` turns a level into percentiles, throughput (tokens/s) and
-goodput (requests/s meeting the TTFT and TPOT SLOs).
+``run_level``: ``concurrency`` client threads, each streaming one request after another,
+with classes taken round-robin, for a warm-up and then a measured window; per request it
+records when it was sent, each chunk's arrival and tokens, TTFT (first chunk with tokens),
+TPOT ((E2E - TTFT) / (tokens - 1)), E2E and the arms the controller used. Requests still
+running when the window closes are cancelled (the service aborts them and frees their KV
+slots). ``summarize`` counts what happened inside the window(s) only: tokens that arrived
+in it (throughput), requests that finished in it (latency percentiles, goodput: requests/s
+meeting the TTFT and TPOT SLOs, arms). Load is steady across the window's edges (the
+warm-up's clients keep going), and a request in flight at the end counts the tokens it got,
+so a run's throughput does not hang on how its last few requests happened to fall.
 """
 from __future__ import annotations
 
@@ -31,20 +36,42 @@ class RequestRecord:
     tokens: int
     arms: dict[str, int] = field(default_factory=dict)
     error: str = ""
+    start_s: float = 0.0  # perf_counter when sent
+    chunks: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens) per chunk
+    cut: bool = False  # cancelled at the end of the measured window (not an error)
 
     @property
     def tpot_s(self) -> float:
         return (self.e2e_s - self.ttft_s) / (self.tokens - 1) if self.tokens > 1 else 0.0
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.e2e_s
+
+
+@dataclass(slots=True, frozen=True)
+class Window:
+    """The measured span of a run (perf_counter seconds)."""
+
+    start_s: float
+    end_s: float
+
+    def __contains__(self, t: float) -> bool:
+        return self.start_s <= t <= self.end_s
+
+    @property
+    def seconds(self) -> float:
+        return self.end_s - self.start_s
 
 
 @dataclass(slots=True)
 class LevelSummary:
     policy: str
     concurrency: int
-    requests: int
+    requests: int  # finished inside the window(s)
     errors: int
-    duration_s: float
-    throughput_tokens_per_s: float
+    duration_s: float  # measured seconds (the windows)
+    throughput_tokens_per_s: float  # tokens that arrived inside the window(s), per second
     goodput_requests_per_s: float
     ttft_p50_s: float
     ttft_p99_s: float
@@ -65,36 +92,50 @@ class LoadSpec:
     arm: tuple[str, int] | None = None  # fixed arm (speculation override)
 
 
-def one_request(client: Client, prompt: str, cls: str, spec: LoadSpec, timeout: float = 300) -> RequestRecord:
+def one_request(client: Client, prompt: str, cls: str, spec: LoadSpec, timeout: float = 300,
+                stop_at: float = float("inf")) -> RequestRecord:
+    """One streamed request; cancelled (``cut``) if it is still running at ``stop_at``."""
     t0 = time.perf_counter()
-    ttft, tokens, arms = 0.0, 0, {}
+    ttft, tokens, arms, chunks = 0.0, 0, {}, []
+    call = None
     try:
-        for chunk in client.stream(prompt, request_class=cls, max_tokens=spec.max_tokens,
-                                   temperature=spec.temperature, speculation=spec.arm, timeout=timeout):
-            if chunk.token_ids and not ttft:
-                ttft = time.perf_counter() - t0
+        call = client.stream(prompt, request_class=cls, max_tokens=spec.max_tokens,
+                             temperature=spec.temperature, speculation=spec.arm, timeout=timeout)
+        for chunk in call:
+            now = time.perf_counter()
+            if chunk.token_ids:
+                if not ttft:
+                    ttft = now - t0
+                chunks.append((now, len(chunk.token_ids)))
             tokens += len(chunk.token_ids)
             if chunk.finished:
                 arms = {a.arm: a.steps for a in chunk.speculation.arms}
+            elif now > stop_at:
+                call.cancel()
+                return RequestRecord(cls, ttft, now - t0, tokens, start_s=t0, chunks=chunks, cut=True)
     except Exception as exc:  # a refused or failed request is counted, not fatal
         code = getattr(exc, "code", lambda: None)()
-        return RequestRecord(cls, 0.0, time.perf_counter() - t0, 0, error=str(code or exc))
-    return RequestRecord(cls, ttft, time.perf_counter() - t0, tokens, arms)
+        return RequestRecord(cls, 0.0, time.perf_counter() - t0, 0, error=str(code or exc), start_s=t0,
+                             chunks=chunks)
+    return RequestRecord(cls, ttft, time.perf_counter() - t0, tokens, arms, start_s=t0, chunks=chunks)
 
 
 def run_level(client: Client, concurrency: int, duration_s: float, spec: LoadSpec,
-              on_record=None) -> tuple[list[RequestRecord], float]:
+              on_record=None, warmup_s: float = 0.0) -> tuple[list[RequestRecord], Window]:
+    """Closed-loop load for ``warmup_s`` + ``duration_s``; returns every record and the
+    measured window (the last ``duration_s``)."""
     prompts = bench_prompts()
-    stop_at = time.perf_counter() + duration_s
+    t0 = time.perf_counter()
+    window = Window(t0 + warmup_s, t0 + warmup_s + duration_s)
     records: list[RequestRecord] = []
     lock = threading.Lock()
 
     def worker(w: int) -> None:
         i = w
-        while time.perf_counter() < stop_at:
+        while time.perf_counter() < window.end_s:
             cls = spec.classes[i % len(spec.classes)]
             pool = prompts.get(cls) or prompts["chat"]
-            rec = one_request(client, pool[(i // len(spec.classes)) % len(pool)], cls, spec)
+            rec = one_request(client, pool[(i // len(spec.classes)) % len(pool)], cls, spec, stop_at=window.end_s)
             with lock:
                 records.append(rec)
             if on_record is not None:
@@ -103,18 +144,23 @@ def run_level(client: Client, concurrency: int, duration_s: float, spec: LoadSpe
             if rec.error == "StatusCode.RESOURCE_EXHAUSTED":
                 time.sleep(0.05)
 
-    t0 = time.perf_counter()
     threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return records, time.perf_counter() - t0
+    return records, window
 
 
-def summarize(policy: str, concurrency: int, records: list[RequestRecord], wall_s: float,
+def summarize(policy: str, concurrency: int, records: list[RequestRecord], windows: Window | list[Window],
               spec: LoadSpec) -> LevelSummary:
-    ok = [r for r in records if not r.error and r.tokens]
+    """What happened inside the measured window(s) (runs' windows do not overlap)."""
+    windows = [windows] if isinstance(windows, Window) else list(windows)
+    inside = lambda t: any(t in w for w in windows)  # noqa: E731
+    seconds = sum(w.seconds for w in windows)
+    tokens = sum(n for r in records for t, n in r.chunks if inside(t))
+    done = [r for r in records if not r.cut and inside(r.end_s)]
+    ok = [r for r in done if not r.error and r.tokens]
 
     def pct(xs, q):
         return float(np.percentile(xs, q)) if xs else 0.0
@@ -126,9 +172,9 @@ def summarize(policy: str, concurrency: int, records: list[RequestRecord], wall_
         per = arms.setdefault(r.request_class, {})
         for a, n in r.arms.items():
             per[a] = per.get(a, 0) + n
-    return LevelSummary(policy, concurrency, len(ok), len(records) - len(ok), wall_s,
-                        sum(r.tokens for r in ok) / wall_s, good / wall_s, pct(ttft, 50), pct(ttft, 99),
-                        pct(tpot, 50), pct(tpot, 99), pct(e2e, 50), pct(e2e, 99), arms)
+    rate = (lambda x: x / seconds) if seconds > 0 else (lambda x: 0.0)  # noqa: E731
+    return LevelSummary(policy, concurrency, len(ok), len(done) - len(ok), seconds, rate(tokens), rate(good),
+                        pct(ttft, 50), pct(ttft, 99), pct(tpot, 50), pct(tpot, 99), pct(e2e, 50), pct(e2e, 99), arms)
 
 
 def top_arm(per: dict[str, int]) -> str:
