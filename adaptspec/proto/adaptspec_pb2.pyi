@@ -229,11 +229,13 @@ class Pin(_message.Message):
     def __init__(self, request_class: _Optional[str] = ..., arm: _Optional[_Union[Arm, _Mapping]] = ...) -> None: ...
 
 class UpdatePolicyRequest(_message.Message):
-    __slots__ = ("policy", "pin", "unpin")
+    __slots__ = ("policy", "pin", "unpin", "reset")
     POLICY_FIELD_NUMBER: _ClassVar[int]
     PIN_FIELD_NUMBER: _ClassVar[int]
     UNPIN_FIELD_NUMBER: _ClassVar[int]
+    RESET_FIELD_NUMBER: _ClassVar[int]
     policy: str
     pin: _containers.RepeatedCompositeFieldContainer[Pin]
     unpin: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, policy: _Optional[str] = ..., pin: _Optional[_Iterable[_Union[Pin, _Mapping]]] = ..., unpin: _Optional[_Iterable[str]] = ...) -> None: ...
+    reset: bool
+    def __init__(self, policy: _Optional[str] = ..., pin: _Optional[_Iterable[_Union[Pin, _Mapping]]] = ..., unpin: _Optional[_Iterable[str]] = ..., reset: _Optional[bool] = ...) -> None: ...

@@ -219,6 +219,9 @@ def loadtest(
                                            "clients keep going into the window, so its load is steady"),
     rounds: int = typer.Option(1, help="measured runs per policy and level, interleaving the policies "
                                        "(seconds measured per policy and level: rounds x duration)"),
+    fresh: bool = typer.Option(False, "--fresh", help="start each run's policy afresh (the cold start); "
+                                                      "default: an adaptive policy resumes what it learned in "
+                                                      "its earlier runs, as a deployed controller keeps learning"),
     slo_ttft: float = typer.Option(2.0, help="TTFT SLO (s) for goodput"),
     slo_tpot: float = typer.Option(0.25, help="TPOT SLO (s) for goodput"),
     overhead: int = typer.Option(0, help="also measure gRPC + Serve overhead over the in-process engine on "
@@ -265,8 +268,8 @@ def loadtest(
                 windows: dict[str, list] = {p: [] for p in pols}
                 for r in range(rounds):
                     for pol in pols if r % 2 == 0 else pols[::-1]:
-                        if pol != c.policy().policy:
-                            c.update_policy(pol)
+                        if fresh or pol != c.policy().policy:
+                            c.update_policy(pol, reset=fresh)
                         got, window = run_level(c, n, duration, spec, warmup_s=warmup)
                         recs[pol] += got
                         windows[pol].append(window)

@@ -32,8 +32,9 @@ class Client:
         return self.stub.GetPolicy(pb.GetPolicyRequest(), metadata=self.metadata, timeout=timeout)
 
     def update_policy(self, policy: str = "", pins: dict[str, tuple[str, int]] | None = None,
-                      unpin: list[str] | None = None, timeout: float | None = 10) -> pb.PolicyState:
-        req = pb.UpdatePolicyRequest(policy=policy, unpin=unpin or [],
+                      unpin: list[str] | None = None, timeout: float | None = 10,
+                      reset: bool = False) -> pb.PolicyState:
+        req = pb.UpdatePolicyRequest(policy=policy, unpin=unpin or [], reset=reset,
                                      pin=[pb.Pin(request_class=c, arm=pb.Arm(drafter=d, k=k))
                                           for c, (d, k) in (pins or {}).items()])
         return self.stub.UpdatePolicy(req, metadata=self.metadata, timeout=timeout)

@@ -65,6 +65,7 @@ class PolicyUpdate:
     policy: str = ""  # empty: keep
     pins: list[tuple[str, Arm]] = field(default_factory=list)
     unpins: list[str] = field(default_factory=list)
+    reset: bool = False  # start the policy afresh instead of resuming what it learned
 
 
 class ControlCore:
@@ -81,6 +82,9 @@ class ControlCore:
                                           device=m.device)
         self.policy_name = config.controller.policy
         self.policy = self._make(self.policy_name, "controller.policy")
+        # every policy used in this process, by name: switching back resumes what it learned
+        # (an operator comparing policies should not throw away hours of acceptance data)
+        self._policies = {self.policy_name: self.policy}
         self.pins: dict[str, Arm] = {c.name: Arm(c.pin.drafter, c.pin.k) for c in config.classes if c.pin}
         self.classes: dict[str, ClassView] = {c: ClassView(c) for c in config.class_names}
         self.replicas: dict[str, ReplicaState] = {}
@@ -154,7 +158,12 @@ class ControlCore:
 
     def update(self, upd: PolicyUpdate) -> PolicyView:
         """Switch policy and pin/unpin arms; ValueError names the field. All or nothing."""
-        new_policy = self._make(upd.policy, "policy") if upd.policy else None
+        name = upd.policy or (self.policy_name if upd.reset else "")
+        new_policy = None
+        if name:
+            new_policy = None if upd.reset else self._policies.get(name)
+            if new_policy is None:
+                new_policy = self._make(name, "policy")
         pins = dict(self.pins)
         for i, (c, arm) in enumerate(upd.pins):
             if not c:
@@ -172,7 +181,8 @@ class ControlCore:
                 raise ValueError(f"unpin[{i}]: class {c!r} is not pinned")
             del pins[c]
         if new_policy is not None:
-            self.policy, self.policy_name = new_policy, upd.policy
+            self.policy, self.policy_name = new_policy, name
+            self._policies[name] = new_policy
         self.pins = pins
         for c in pins:
             self.classes.setdefault(c, ClassView(c))

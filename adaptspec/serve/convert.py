@@ -123,4 +123,4 @@ def to_policy_update(req: pb.UpdatePolicyRequest):
         if d not in ("none", "ngram", "draft"):
             raise ValueError(f"pin[{i}].arm.drafter: unknown drafter {d!r}")
         pins.append((p.request_class, Arm(d, k)))
-    return PolicyUpdate(req.policy, pins, list(req.unpin))
+    return PolicyUpdate(req.policy, pins, list(req.unpin), req.reset)

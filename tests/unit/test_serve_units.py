@@ -116,6 +116,13 @@ def test_controller_core_aggregates_pins_and_refuses_bad_updates():
             core.update(upd)
     view = core.update(PolicyUpdate(policy="static:ngram:2", unpins=["chat"]))
     assert view.policy == "static:ngram:2" and all(arm == "ngram:2" and not p for _, arm, p in view.classes)
+    # switching back resumes what a policy learned; reset starts it afresh
+    learned = core._policies[cfg.controller.policy]
+    assert learned.stats.observed_steps == 1
+    assert core.update(PolicyUpdate(policy=cfg.controller.policy)).policy == cfg.controller.policy
+    assert core.policy is learned
+    core.update(PolicyUpdate(reset=True))
+    assert core.policy is not learned and core.policy.stats.observed_steps == 0
 
 
 def test_validation_names_the_field_and_resolves_classes():
