@@ -44,9 +44,8 @@ def tpot_spread(p: np.ndarray, z: float, short_tokens: float) -> np.ndarray:
     """
     if z <= 0:
         return np.zeros(p.shape[:-1] + (p.shape[-1] + 1,))
+    mean = accepted_length_curve(p)
     surv = np.multiply.accumulate(p, axis=-1)
-    mean = np.ones(p.shape[:-1] + (p.shape[-1] + 1,))
-    mean[..., 1:] += np.add.accumulate(surv, axis=-1)
     second = np.ones_like(mean)
     second[..., 1:] += np.add.accumulate(surv * _odd(p.shape[-1]), axis=-1)
     sd = np.sqrt(np.maximum(second - mean * mean, 0.0))

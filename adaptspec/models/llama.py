@@ -5,9 +5,8 @@ RMSNorm, rotary embeddings (default and llama3 scaling), grouped-query attention
 SwiGLU, tied or untied output layer. Weights come from a transformers model
 (``LlamaModel.from_hf``); nothing here downloads anything.
 
-The KV cache is a preallocated tensor per layer, ``[num_slots + 1, num_kv_heads,
-max_len, head_dim]``: one slot per running sequence plus a scratch slot that absorbs the
-writes of padding tokens. The *length* of each slot lives with the caller; rolling back
+The KV cache is a preallocated tensor per layer, ``[num_slots, num_kv_heads, max_len,
+head_dim]``: one slot per running sequence (padding tokens are never written). The *length* of each slot lives with the caller; rolling back
 after a rejection is only setting that length, nothing is copied.
 """
 from __future__ import annotations
@@ -154,16 +153,12 @@ class LlamaModel:
 
     # ---- KV cache --------------------------------------------------------------------
     def allocate_cache(self, num_slots: int, max_len: int) -> None:
-        """Preallocate ``num_slots`` sequences of up to ``max_len`` tokens (+1 scratch slot)."""
+        """Preallocate ``num_slots`` sequences of up to ``max_len`` tokens."""
         c = self.cfg
-        shape = (num_slots + 1, c.num_kv_heads, max_len, c.head_dim)
+        shape = (num_slots, c.num_kv_heads, max_len, c.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(c.num_layers)]
         self.num_slots, self.max_len = num_slots, max_len
-
-    @property
-    def scratch_slot(self) -> int:
-        return self.num_slots
 
     # ---- forward ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -250,9 +245,7 @@ class LlamaModel:
             hidden.index_copy_(0, flat_idx, hidden_p)
         else:
             hidden = hidden_p
-        flat = hidden
-        if logits_rows is not None:
-            flat = flat.index_select(0, logits_rows)
+        flat = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
         return self._mm(flat, self.lm_head), hidden.view(B, T, c.hidden_size)
 
     def _mm(self, x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:

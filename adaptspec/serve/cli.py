@@ -344,8 +344,8 @@ def _overhead(client, n: int, reps: int, max_tokens: int, config: Optional[str],
 
     cfg = load_config(config)
     torch.set_num_threads(torch_threads or cfg.engine.torch_threads or max(1, int(cfg.target.num_cpus or 1)))
-    # the replica's drafters too: with a draft head loaded every step hands it the target's
-    # features, work the service does whatever the arm, so the baseline must do it as well
+    # the replica's drafters too, so both sides run the same engine (like for like; the
+    # head's per-step feature hand-off measured at nothing noticeable, see deploy/README.md)
     draft = cfg.models.draft if cfg.placement == "colocated" and not target else None
     engine = Engine.from_pretrained(target or cfg.models.target, draft=draft, dtype=cfg.models.dtype,
                                     device=cfg.models.device, max_num_seqs=cfg.engine.max_num_seqs,

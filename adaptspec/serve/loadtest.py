@@ -97,7 +97,6 @@ def one_request(client: Client, prompt: str, cls: str, spec: LoadSpec, timeout: 
     """One streamed request; cancelled (``cut``) if it is still running at ``stop_at``."""
     t0 = time.perf_counter()
     ttft, tokens, arms, chunks = 0.0, 0, {}, []
-    call = None
     try:
         call = client.stream(prompt, request_class=cls, max_tokens=spec.max_tokens,
                              temperature=spec.temperature, speculation=spec.arm, timeout=timeout)
