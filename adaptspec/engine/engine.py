@@ -100,6 +100,7 @@ class Engine:
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                     spec: SpecConfig | None = None, *, request_id: str | None = None,
                     request_class: str = "default", raw: bool = False) -> str:
+        arrival = time.perf_counter()  # TTFT and e2e count tokenization (the chat template) too
         params, spec = params or SamplingParams(), spec or SpecConfig()
         self._check_spec(spec)
         ids = self.encode(prompt, raw)
@@ -112,7 +113,7 @@ class Engine:
             raise ValueError(f"request_id {rid!r} is already in use")
         gen = torch.Generator()
         gen.manual_seed(params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,))))
-        seq = Sequence(rid, ids, len(ids), params, spec, request_class, gen)
+        seq = Sequence(rid, ids, len(ids), params, spec, request_class, gen, arrival_s=arrival)
         self.requests[rid] = seq
         self.scheduler.add(seq)
         return rid

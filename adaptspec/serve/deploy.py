@@ -22,9 +22,12 @@ def rayservice(config: ServiceConfig) -> dict:
     ports = [{"containerPort": 6379, "name": "gcs"}, {"containerPort": 8265, "name": "dashboard"},
              {"containerPort": 10001, "name": "client"}, {"containerPort": config.http_port, "name": "serve"},
              {"containerPort": config.grpc_port, "name": "grpc"}]
-    container = {"name": "ray-head", "image": IMAGE, "ports": ports,
+    from adaptspec.serve.app import SERVE_LATENCY_ENV
+
+    env = [{"name": k, "value": v} for k, v in SERVE_LATENCY_ENV.items()]  # every Ray process reads them
+    container = {"name": "ray-head", "image": IMAGE, "ports": ports, "env": env,
                  "resources": {"requests": {"cpu": "2", "memory": "6Gi"}, "limits": {"cpu": "2", "memory": "6Gi"}}}
-    worker = {"name": "ray-worker", "image": IMAGE,
+    worker = {"name": "ray-worker", "image": IMAGE, "env": [dict(e) for e in env],  # no YAML alias
               "resources": {"requests": {"cpu": "4", "memory": "8Gi"}, "limits": {"cpu": "4", "memory": "8Gi"}}}
     return {
         "apiVersion": "ray.io/v1",

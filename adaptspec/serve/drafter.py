@@ -8,11 +8,16 @@ remembers which token sits at each KV position it filled (real or drafted), and 
 call keeps the longest prefix that still matches the target's tokens. A miss (another
 replica, an evicted mirror) costs a catch-up prefill, never a wrong token. Calls are
 synchronous from the engine thread with a timeout; an error or timeout means k = 0
-(``GuardedProposer``).
+(``GuardedProposer``). The engine thread hands each call to the replica's event loop and
+waits for it there: the handle's router may run on that loop (Serve's
+``RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP=0``, which the service sets), where a blocking call
+from another thread would never be routed.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
 import threading
 import zlib
 from dataclasses import dataclass, field
@@ -104,9 +109,12 @@ class RemoteDraftProposer:
     name = "draft"
     wants_hidden = False
 
-    def __init__(self, handle, replica_id: str, timeout_s: float = 5.0):
-        self.handle, self.replica_id, self.timeout_s = handle, replica_id, timeout_s
+    def __init__(self, handle, replica_id: str, loop: asyncio.AbstractEventLoop, timeout_s: float = 5.0):
+        self.handle, self.replica_id, self.loop, self.timeout_s = handle, replica_id, loop, timeout_s
         self.releases: list[str] = []
+
+    async def _call(self, job: "DraftJob") -> "DraftReply":
+        return await self.handle.propose.remote(job)
 
     def propose(self, seqs, ks):
         from adaptspec.engine.proposers import Draft
@@ -114,7 +122,12 @@ class RemoteDraftProposer:
         job = DraftJob([DraftItem(f"{self.replica_id}/{s.request_id}", list(s.token_ids), k, s.params)
                         for s, k in zip(seqs, ks)], self.releases)
         self.releases = []
-        reply: DraftReply = self.handle.propose.remote(job).result(timeout_s=self.timeout_s)
+        fut = asyncio.run_coroutine_threadsafe(self._call(job), self.loop)
+        try:
+            reply: DraftReply = fut.result(timeout=self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise TimeoutError(f"Drafter did not answer within {self.timeout_s} s") from None
         return [Draft(ids, p) for ids, p in zip(reply.token_ids, reply.probs)]
 
     def on_verified(self, seq, num_tokens_before, num_accepted, hidden) -> None:

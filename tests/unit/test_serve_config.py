@@ -124,3 +124,19 @@ def test_cli_writes_a_serve_config(tmp_path):
     data = yaml.safe_load(out.read_text())
     check_serve_config(data)
     assert data["grpc_options"]["port"] == 9100
+
+
+def test_every_ray_container_gets_the_request_path_settings():
+    """Serve reads them in each Ray process at start-up: the head (proxy, Serve controller) and
+    every worker (replicas, their proxies) need them, or the proxy keeps Ray actor calls."""
+    pytest.importorskip("ray.serve")
+    from adaptspec.serve.app import SERVE_LATENCY_ENV
+
+    manifest = yaml.safe_load((ROOT / "deploy" / "kuberay" / "rayservice.yaml").read_text())
+    cluster = manifest["spec"]["rayClusterConfig"]
+    groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+    for group in groups:
+        for container in group["template"]["spec"]["containers"]:
+            env = {e["name"]: e["value"] for e in container.get("env", [])}
+            assert env == {**env, **SERVE_LATENCY_ENV}, container["name"]
+    assert SERVE_LATENCY_ENV["RAY_SERVE_PROXY_USE_GRPC"] == "1"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -165,13 +166,62 @@ def test_disaggregated_drafter_core_matches_the_colocated_draft(engines, tiny_di
     params = SamplingParams(max_new_tokens=30)
     colocated = engines().generate(PROMPTS, params, SpecConfig("draft", 3))
     core = DraftService(load_model(str(tiny_draft_dir), quiet=True).model, num_slots=2, max_len=256)  # < 3: evicts
-    handle = SimpleNamespace(propose=SimpleNamespace(
-        remote=lambda job: SimpleNamespace(result=lambda timeout_s=None: core.propose(job))))
+
+    async def answer(job):  # the handle call, awaited on the replica's event loop
+        return core.propose(job)
+
+    handle = SimpleNamespace(propose=SimpleNamespace(remote=answer))
     eng = Engine.from_pretrained(str(tiny_dir), max_num_seqs=4, max_model_len=256)  # no co-located draft
-    eng.proposers["draft"] = RemoteDraftProposer(handle, "r1")
-    remote = eng.generate(PROMPTS, params, SpecConfig("draft", 3))
+    with _event_loop_thread() as loop:
+        eng.proposers["draft"] = RemoteDraftProposer(handle, "r1", loop)
+        remote = eng.generate(PROMPTS, params, SpecConfig("draft", 3))
     assert [o.token_ids for o in remote] == [o.token_ids for o in colocated]
     assert sum(o.stats.accepted for o in remote) > 0
+
+
+def test_remote_draft_call_times_out_and_is_cancelled():
+    """A Drafter that does not answer raises TimeoutError in time (the guard turns it into
+    k = 0) and the pending call is cancelled on the loop, not left running."""
+    import time
+    from types import SimpleNamespace
+
+    from adaptspec.serve.drafter import RemoteDraftProposer
+
+    cancelled = []
+
+    async def never(job):
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            cancelled.append(True)
+            raise
+
+    seq = SimpleNamespace(request_id="a", token_ids=[1, 2, 3], params=None)
+    with _event_loop_thread() as loop:
+        prop = RemoteDraftProposer(SimpleNamespace(propose=SimpleNamespace(remote=never)), "r1", loop, timeout_s=0.2)
+        t0 = time.monotonic()
+        with pytest.raises(TimeoutError, match="Drafter"):
+            prop.propose([seq], [3])
+        assert time.monotonic() - t0 < 5
+        for _ in range(100):
+            if cancelled:
+                break
+            time.sleep(0.01)
+    assert cancelled == [True]
+
+
+@contextlib.contextmanager
+def _event_loop_thread():
+    import threading
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        yield loop
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
 
 
 class _Ctx:
