@@ -163,9 +163,17 @@ def status() -> str:
     return _status
 
 
+# bf16 blocks hold their 32 columns interleaved (the kernel widens them without shuffles):
+# stored position 2j is column j and 2j + 1 is column 16 + j. _BF16_ORDER[p] is the column at
+# stored position p; _BF16_UNDO puts stored positions back in column order.
+_BF16_ORDER = torch.stack([torch.arange(BW // 2), torch.arange(BW // 2) + BW // 2], 1).reshape(-1)
+_BF16_UNDO = torch.argsort(_BF16_ORDER)
+
+
 @dataclass(slots=True)
 class PackedWeight:
-    """A [in, out] weight packed in column blocks: ``blocks`` [ceil(out / 32), in, 32]."""
+    """A [in, out] weight packed in column blocks: ``blocks`` [ceil(out / 32), in, 32]
+    (bf16: each block's columns interleaved, see ``_BF16_ORDER``)."""
 
     blocks: torch.Tensor
     in_features: int
@@ -178,7 +186,8 @@ class PackedWeight:
     def unpacked(self) -> torch.Tensor:
         """The [in, out] weight back (a copy)."""
         nb, i, _ = self.blocks.shape
-        return self.blocks.permute(1, 0, 2).reshape(i, nb * BW)[:, : self.out_features].contiguous()
+        blocks = self.blocks[:, :, _BF16_UNDO] if self.dtype == torch.bfloat16 else self.blocks
+        return blocks.permute(1, 0, 2).reshape(i, nb * BW)[:, : self.out_features].contiguous()
 
 
 def pack(w_t: torch.Tensor) -> PackedWeight:
@@ -189,7 +198,10 @@ def pack(w_t: torch.Tensor) -> PackedWeight:
     nb = (o + BW - 1) // BW
     p = torch.zeros(i, nb * BW, dtype=w_t.dtype)
     p[:, :o] = w_t
-    return PackedWeight(p.view(i, nb, BW).permute(1, 0, 2).contiguous(), i, o)
+    blocks = p.view(i, nb, BW).permute(1, 0, 2)
+    if w_t.dtype == torch.bfloat16:
+        blocks = blocks[:, :, _BF16_ORDER]
+    return PackedWeight(blocks.contiguous(), i, o)
 
 
 def matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
@@ -198,8 +210,11 @@ def matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     x2 = x.reshape(-1, w.in_features)
     m = x2.shape[0]
     if _lib is None or m == 0 or m > (MAX_ROWS_F32 if w.dtype == torch.float32 else MAX_ROWS_BF16):
-        # torch on the packed blocks: [nb, m, 32] -> [m, out]
-        y = torch.matmul(x2.to(w.dtype), w.blocks).permute(1, 0, 2).reshape(m, -1)[:, : w.out_features]
+        # torch on the packed blocks: [nb, m, 32] (bf16: back in column order) -> [m, out]
+        y = torch.matmul(x2.to(w.dtype), w.blocks)
+        if w.dtype == torch.bfloat16:
+            y = y[:, :, _BF16_UNDO]
+        y = y.permute(1, 0, 2).reshape(m, -1)[:, : w.out_features]
         return y.to(x.dtype).reshape(*lead, w.out_features)
     xf = x2.float().contiguous()
     y = torch.empty(m, w.out_features, dtype=torch.float32)

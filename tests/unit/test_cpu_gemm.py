@@ -9,18 +9,22 @@ from adaptspec.models import cpu_gemm
 needs_kernel = pytest.mark.skipif(not cpu_gemm.enabled(), reason=f"CPU kernel unavailable: {cpu_gemm.status()}")
 
 
-def test_pack_round_trip():
-    w = torch.randn(7, 45)  # 45 columns: one full block and one padded block
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pack_round_trip(dtype):
+    w = torch.randn(7, 45).to(dtype)  # 45 columns: one full block and one padded block
     pw = cpu_gemm.pack(w)
     assert pw.blocks.shape == (2, 7, 32)
     assert torch.equal(pw.unpacked(), w)
+    if dtype == torch.bfloat16:  # interleaved halves: stored 2j is column j, 2j + 1 is 16 + j
+        assert torch.equal(pw.blocks[0, :, 0], w[:, 0]) and torch.equal(pw.blocks[0, :, 1], w[:, 16])
+        assert torch.equal(pw.blocks[1, :, 2], w[:, 33])
     with pytest.raises(ValueError, match="2-D fp32/bf16"):
         cpu_gemm.pack(torch.zeros(3, 4, dtype=torch.float16))
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 17, 40, 80])  # 80: fp32 goes to torch
+@pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 17, 40, 80, 600])  # 80: fp32 goes to torch; 600: bf16 too
 def test_products_match_torch(dtype, rows):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(70, 100, generator=g).to(dtype)
@@ -39,6 +43,11 @@ def test_negative_control_a_wrong_layout_is_caught():
     w = torch.randn(32, 32)
     x = torch.randn(3, 32)
     assert (cpu_gemm.matmul(x, cpu_gemm.pack(w.t().contiguous())) - x @ w).abs().max() > 1e-2
+    # bf16 blocks in plain column order (not interleaved) are read as the wrong columns
+    wb, xb = w.bfloat16(), x.bfloat16()
+    plain = cpu_gemm.PackedWeight(wb.view(32, 1, 32).permute(1, 0, 2).contiguous(), 32, 32)
+    assert (cpu_gemm.matmul(xb, plain).float() - xb.float() @ wb.float()).abs().max() > 1e-2
+    assert (cpu_gemm.matmul(xb, cpu_gemm.pack(wb)).float() - xb.float() @ wb.float()).abs().max() < 0.1
 
 
 def test_mode_parsing(monkeypatch):
