@@ -289,7 +289,9 @@ def loadtest(
                     f"{over['overhead_p90_s'] * 1e3:.1f} ms, ratio p50 {over['ratio_p50']:.3f} (service "
                     f"{over['service_e2e_p50_s'] * 1e3:.1f} ms, engine {over['engine_e2e_p50_s'] * 1e3:.1f} ms); "
                     f"outside the replica's engine {over['outside_engine_p50_s'] * 1e3:.1f} ms, inside "
-                    f"{over['inside_engine_p50_s'] * 1e3:.1f} ms; same tokens {over['same_tokens']}/{over['requests']}")
+                    f"{over['inside_engine_p50_s'] * 1e3:.1f} ms; same tokens {over['same_tokens']}/{over['requests']}; "
+                    f"a Health/Check round trip (the path without engine work) p50 "
+                    f"{over['health_check_p50_s'] * 1e3:.1f} ms")
     finally:
         if start:
             from adaptspec.serve import app as serve_app
@@ -351,7 +353,7 @@ def _overhead(client, n: int, reps: int, max_tokens: int, config: Optional[str],
                                     device=cfg.models.device, max_num_seqs=cfg.engine.max_num_seqs,
                                     max_model_len=cfg.engine.max_model_len)
     prompts = [p for ps in bench_prompts().values() for p in ps][:n]
-    return measure_overhead(client, engine, prompts, max_tokens, reps)
+    return measure_overhead(client, engine, prompts, max_tokens, reps, health_checks=100)
 
 
 @fail_cleanly

@@ -39,6 +39,13 @@ class Client:
                                           for c, (d, k) in (pins or {}).items()])
         return self.stub.UpdatePolicy(req, metadata=self.metadata, timeout=timeout)
 
+    def health(self, service: str = "", timeout: float | None = 10):
+        """``grpc.health.v1.Health/Check``: the status of the server ("") or of one service."""
+        from adaptspec.proto import health_pb2, health_pb2_grpc
+
+        stub = health_pb2_grpc.HealthStub(self.channel)
+        return stub.Check(health_pb2.HealthCheckRequest(service=service), metadata=self.metadata, timeout=timeout)
+
     def wait_ready(self, timeout: float = 60.0) -> None:
         grpc.channel_ready_future(self.channel).result(timeout=timeout)
 

@@ -192,16 +192,17 @@ class OverheadPair:
 
 
 def measure_overhead(client: Client, engine, prompts: list[str], max_tokens: int, reps: int = 1,
-                     arm: tuple[str, int] = ("none", 0), warmup: int = 2) -> dict:
+                     arm: tuple[str, int] = ("none", 0), warmup: int = 2, health_checks: int = 0) -> dict:
     """gRPC + Serve overhead over the in-process engine, measured as paired differences.
 
     Each prompt runs ``reps`` times through both paths back to back (greedy, ``ignore_eos`` so
     both produce exactly ``max_tokens``, the same fixed arm, one request at a time), and the
     order alternates, so drift in machine load hits both sides alike. Reported: p50 of each
     side, p50 of the per-pair differences (the overhead) and of the ratios, and the split of
-    the difference into time outside the replica's engine (gRPC, proxy, Serve's Ray hop: client
+    the difference into time outside the replica's engine (gRPC, proxy, Serve's hop: client
     wall minus the engine time the response reports) and time inside it (the engine running
-    slower in the replica than here).
+    slower in the replica than here). ``health_checks`` > 0 also times that many
+    ``Health/Check`` calls: the same gRPC, proxy and Serve path with no engine work.
     """
     from adaptspec import SamplingParams, SpecConfig
 
@@ -232,7 +233,15 @@ def measure_overhead(client: Client, engine, prompts: list[str], max_tokens: int
                 loc, b = in_process(p)
                 svc, svc_eng, a = via_service(p)
             pairs.append(OverheadPair(svc, svc_eng, loc, a == b))
-    return overhead_summary(pairs, max_tokens)
+    out = overhead_summary(pairs, max_tokens)
+    if health_checks:
+        rtt = []
+        for _ in range(health_checks):
+            t0 = time.perf_counter()
+            client.health()
+            rtt.append(time.perf_counter() - t0)
+        out["health_check_p50_s"] = float(np.median(rtt))
+    return out
 
 
 def overhead_summary(pairs: list[OverheadPair], max_tokens: int) -> dict:

@@ -1,0 +1,72 @@
+"""Time ``LlamaModel.forward`` per matmul layout: the README's table of decode and verify costs.
+
+    python -m adaptspec.models.forward_bench --dtype bfloat16 --layouts packed,fast
+
+One sequence over ``--cached`` tokens: a forward of 1 / 2 / 5 / 9 new tokens (decoding one,
+verifying k + 1 candidates) and a prefill of ``--prefill`` tokens into a second slot. Every
+layout is loaded in this one process and the layouts alternate, order reversed every other
+repetition, so drift in the machine's speed hits them alike; the medians are printed, with
+the 5-token / 1-token ratio (what verification costs in decode steps).
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+SIZES = (1, 2, 5, 9)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--target", default="smollm2-135m")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--layouts", default="packed,fast", help="packed (the CPU kernel), fast (torch), reference")
+    ap.add_argument("--cached", type=int, default=200)
+    ap.add_argument("--prefill", type=int, default=150)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args(argv)
+
+    from adaptspec.models.loader import load_model
+
+    torch.set_num_threads(a.threads)
+    models = {}
+    for lay in a.layouts.split(","):
+        m = load_model(a.target, dtype=a.dtype, matmul=lay, quiet=True).model
+        m.allocate_cache(2, a.cached + a.prefill + max(SIZES) + 1)
+        m.forward(torch.randint(0, 1000, (1, a.cached)), [0], [0], [a.cached],
+                  logits_rows=torch.tensor([a.cached - 1]))
+        models[lay] = m
+    g = torch.Generator().manual_seed(0)
+
+    def once(m, n: int) -> float:
+        ids = torch.randint(0, 1000, (1, n), generator=g)
+        t = time.perf_counter()
+        if n == a.prefill:  # a new prompt in slot 1
+            m.forward(ids, [1], [0], [n], logits_rows=torch.tensor([n - 1]))
+        else:  # new tokens over slot 0's cached prefix (written at the same positions each time)
+            m.forward(ids, [0], [a.cached], [n])
+        return (time.perf_counter() - t) * 1e3
+
+    sizes = (*SIZES, a.prefill)
+    times = {lay: {n: [] for n in sizes} for lay in models}
+    for rep in range(a.reps + 1):  # the first repetition warms up
+        order = list(models.items()) if rep % 2 == 0 else list(models.items())[::-1]
+        for n in sizes:
+            for lay, m in order:
+                t = once(m, n)
+                if rep:
+                    times[lay][n].append(t)
+    print(f"{a.target} {a.dtype}, {a.threads} threads, {a.cached} cached tokens; median ms of {a.reps}")
+    print(f"{'layout':>10} " + " ".join(f"{n:>8}" for n in SIZES) + f" {'prefill ' + str(a.prefill):>12}   5 / 1")
+    for lay, ts in times.items():
+        med = {n: statistics.median(v) for n, v in ts.items()}
+        print(f"{lay:>10} " + " ".join(f"{med[n]:8.1f}" for n in SIZES) + f" {med[a.prefill]:12.1f}   "
+              f"{med[5] / med[1]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
