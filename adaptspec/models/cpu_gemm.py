@@ -13,8 +13,8 @@ this project's 2-core machine (SmolLM2-135M, one sequence, 200 cached tokens; th
 table), a bf16 target forward of 1 / 5 / 9 tokens took 39.9 / 105.8 / 136.3 ms with torch and
 39.1 / 46.3 / 63.4 ms with the kernel; with bf16 blocks interleaved (see the C file), in a
 later run, 43.5 / 107.1 / 128.0 ms with torch and 37.7 / 42.1 / 52.0 ms with the kernel
-(``python -m adaptspec.models.forward_bench``). In float32 the BLAS matrix-vector path is faster than
-the kernel for a single row (31.7 vs 36.8 ms) while the kernel wins from 2 rows (51.3 vs
+(``python -m adaptspec.models.forward_bench``). In float32 the BLAS matrix-vector path is
+faster than the kernel for a single row (31.7 vs 36.8 ms) while the kernel wins from 2 rows (51.3 vs
 58.0 ms at 5), so float32 keeps torch unless ``ADAPTSPEC_CPU_KERNEL=all``.
 """
 from __future__ import annotations

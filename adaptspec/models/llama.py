@@ -6,8 +6,9 @@ SwiGLU, tied or untied output layer. Weights come from a transformers model
 (``LlamaModel.from_hf``); nothing here downloads anything.
 
 The KV cache is a preallocated tensor per layer, ``[num_slots, num_kv_heads, max_len,
-head_dim]``: one slot per running sequence (padding tokens are never written). The *length* of each slot lives with the caller; rolling back
-after a rejection is only setting that length, nothing is copied.
+head_dim]``: one slot per running sequence (padding tokens are never written). The
+*length* of each slot lives with the caller; rolling back after a rejection is only setting
+that length, nothing is copied.
 """
 from __future__ import annotations
 

@@ -5,6 +5,7 @@ import grpc
 
 from adaptspec.proto import adaptspec_pb2 as pb
 from adaptspec.proto import adaptspec_pb2_grpc as pb_grpc
+from adaptspec.proto import health_pb2, health_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:9000"
 
@@ -16,6 +17,7 @@ class Client:
         self.address, self.app_name = address, app_name
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.AdaptSpecStub(self.channel)
+        self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.metadata = (("application", app_name),)
 
     def generate(self, prompt: str = "", *, timeout: float | None = None, **fields) -> pb.GenerateResponse:
@@ -41,10 +43,8 @@ class Client:
 
     def health(self, service: str = "", timeout: float | None = 10):
         """``grpc.health.v1.Health/Check``: the status of the server ("") or of one service."""
-        from adaptspec.proto import health_pb2, health_pb2_grpc
-
-        stub = health_pb2_grpc.HealthStub(self.channel)
-        return stub.Check(health_pb2.HealthCheckRequest(service=service), metadata=self.metadata, timeout=timeout)
+        return self.health_stub.Check(health_pb2.HealthCheckRequest(service=service), metadata=self.metadata,
+                                      timeout=timeout)
 
     def wait_ready(self, timeout: float = 60.0) -> None:
         grpc.channel_ready_future(self.channel).result(timeout=timeout)
