@@ -313,9 +313,10 @@ class HeadModel:
         w["lm_head.weight"] = out_v
         self.decoder = LlamaModel(cfg.llama_config(), w, dt, dev, target.matmul)
         self.embed = target.embed  # [vocab, hidden], shared
-        self.fc_t = state["fc.weight"].to(dev, dt).t().contiguous()  # [2H, H]
-        self.feature_norm = state["feature_norm.weight"].to(dev, dt)
-        self.token_norm = state["token_norm.weight"].to(dev, dt)
+        ct = self.compute_dtype = self.decoder.compute_dtype  # fp32 for bf16 weights on the CPU kernel
+        self.fc_t = state["fc.weight"].to(dev, ct).t().contiguous()  # [2H, H]
+        self.feature_norm = state["feature_norm.weight"].to(dev, ct)
+        self.token_norm = state["token_norm.weight"].to(dev, ct)
 
     def allocate_cache(self, num_slots: int, max_len: int) -> None:
         self.decoder.allocate_cache(num_slots, max_len)
@@ -325,8 +326,8 @@ class HeadModel:
                 num_tokens: list[int], logits_rows: torch.Tensor | None = None):
         """``feats`` [B, T, H], ``next_tokens`` [B, T] -> (draft-vocab logits [N_rows, len(V)], g [B, T, H])."""
         eps, H = self.cfg.rms_norm_eps, self.cfg.hidden_size
-        e = F.embedding(next_tokens, self.embed)
-        x = torch.cat([F.rms_norm(feats.to(self.dtype), (H,), self.feature_norm, eps),
+        e = F.embedding(next_tokens, self.embed).to(self.compute_dtype)
+        x = torch.cat([F.rms_norm(feats.to(self.compute_dtype), (H,), self.feature_norm, eps),
                        F.rms_norm(e, (H,), self.token_norm, eps)], -1)
         u = x @ self.fc_t
         return self.decoder.forward(next_tokens, slots, cache_lens, num_tokens, logits_rows, inputs_embeds=u)

@@ -136,7 +136,7 @@ class TargetTeacher:
 
     @torch.no_grad()
     def logits(self, feats: torch.Tensor) -> torch.Tensor:
-        return self.model._mm(feats.to(self.model.dtype), self.model.lm_head).float()
+        return self.model._mm(feats.to(self.model.compute_dtype), self.model.lm_head).float()
 
 
 def _loss(kind: str, t_logp: torch.Tensor, s_logits: torch.Tensor, vocab_ids: torch.Tensor | None):

@@ -206,10 +206,10 @@ class HeadProposer(Proposer):
         n_tok = [f.shape[0] for f in feats]
         T = max(n_tok)
         H = feats[0].shape[1]
-        F_in = torch.zeros(len(rows), T, H, dtype=head.dtype, device=dev)
+        F_in = torch.zeros(len(rows), T, H, dtype=head.compute_dtype, device=dev)
         ids = torch.zeros(len(rows), T, dtype=torch.long, device=dev)
         for r, (s, f) in enumerate(zip(rows, feats)):
-            F_in[r, :f.shape[0]] = f.to(dev, head.dtype)
+            F_in[r, :f.shape[0]] = f.to(dev, head.compute_dtype)
             start = s.head_pending_from
             ids[r, :f.shape[0]] = torch.tensor(s.token_ids[start + 1:start + 1 + f.shape[0]])
         last = torch.tensor([r * T + n - 1 for r, n in enumerate(n_tok)], device=dev)

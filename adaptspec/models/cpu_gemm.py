@@ -8,14 +8,17 @@ checked against torch on a small product before it is used. Without a compiler, 
 failed build or check, or with ``ADAPTSPEC_CPU_KERNEL=0``, everything falls back to torch's
 matmul (``status()`` says why).
 
-Where it is used by default (``default_matmul``): bfloat16 models on the CPU. Measured on
-this project's 2-core machine (SmolLM2-135M, one sequence, 200 cached tokens; the README's
-table), a bf16 target forward of 1 / 5 / 9 tokens took 39.9 / 105.8 / 136.3 ms with torch and
-39.1 / 46.3 / 63.4 ms with the kernel; with bf16 blocks interleaved (see the C file), in a
-later run, 43.5 / 107.1 / 128.0 ms with torch and 37.7 / 42.1 / 52.0 ms with the kernel
-(``python -m adaptspec.models.forward_bench``). In float32 the BLAS matrix-vector path is
-faster than the kernel for a single row (31.7 vs 36.8 ms) while the kernel wins from 2 rows (51.3 vs
-58.0 ms at 5), so float32 keeps torch unless ``ADAPTSPEC_CPU_KERNEL=all``.
+Where it is used (``default_matmul``; ``ADAPTSPEC_CPU_KERNEL=all``, the default): every
+float32 and bfloat16 model on the CPU. bf16 weights are then computed in fp32 (weight-only
+bf16, see ``LlamaModel``). fp32 weights are also kept as torch has them, and one-row
+products (decoding one token) go to the BLAS, whose matrix-vector path reads fp32 weights
+about 10% faster than this kernel does; two rows and more (verifying k + 1 candidates, a
+batch) go to the kernel, where the BLAS packs panels and slows down 1.6-2x. Measured on this
+project's 2-core machine (SmolLM2-135M, one sequence over 200 cached tokens), an fp32 target
+forward of 1 / 2 / 5 / 9 tokens: 35.4 / 47.8 / 55.6 / 69.0 ms all-torch, 39.5 / 41.6 / 46.8
+/ 59.1 ms all-kernel, 35.9 / 41.9 / 47.1 / 54.2 ms both (a throwaway script, one process,
+alternating). ``ADAPTSPEC_CPU_KERNEL=bf16`` keeps fp32 on torch alone (one copy of the
+weights), ``=0`` turns the kernel off.
 """
 from __future__ import annotations
 
@@ -128,8 +131,8 @@ def _self_check() -> str:
 
 
 def mode() -> str:
-    """``ADAPTSPEC_CPU_KERNEL``: "0" (off), "bf16" (the default) or "all"."""
-    v = os.environ.get("ADAPTSPEC_CPU_KERNEL", "bf16").lower()
+    """``ADAPTSPEC_CPU_KERNEL``: "0" (off), "bf16" (bf16 models only) or "all" (the default)."""
+    v = os.environ.get("ADAPTSPEC_CPU_KERNEL", "all").lower()
     if v in ("0", "off", "false", "no"):
         return "0"
     if v in ("all", "fp32", "float32"):
@@ -180,6 +183,7 @@ class PackedWeight:
     blocks: torch.Tensor
     in_features: int
     out_features: int
+    rows: torch.Tensor | None = None  # fp32 only, optional: the plain [in, out] weight for one-row products
 
     @property
     def dtype(self) -> torch.dtype:
@@ -192,8 +196,9 @@ class PackedWeight:
         return blocks.permute(1, 0, 2).reshape(i, nb * BW)[:, : self.out_features].contiguous()
 
 
-def pack(w_t: torch.Tensor) -> PackedWeight:
-    """Pack a [in, out] weight (fp32 or bf16, CPU) for ``matmul``."""
+def pack(w_t: torch.Tensor, one_row_copy: bool = False) -> PackedWeight:
+    """Pack a [in, out] weight (fp32 or bf16, CPU) for ``matmul``. ``one_row_copy`` (fp32)
+    also keeps the plain weight, which ``matmul`` gives to torch for one-row products."""
     if w_t.dim() != 2 or w_t.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"pack: want a 2-D fp32/bf16 weight, got {tuple(w_t.shape)} {w_t.dtype}")
     i, o = w_t.shape
@@ -203,24 +208,35 @@ def pack(w_t: torch.Tensor) -> PackedWeight:
     blocks = p.view(i, nb, BW).permute(1, 0, 2)
     if w_t.dtype == torch.bfloat16:
         blocks = blocks[:, :, _BF16_ORDER]
-    return PackedWeight(blocks.contiguous(), i, o)
+    rows = w_t.contiguous() if one_row_copy and w_t.dtype == torch.float32 else None
+    return PackedWeight(blocks.contiguous(), i, o, rows)
 
 
 def matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """``x @ W`` for x [..., in] in the weight's dtype; the result in x's dtype."""
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, w.in_features)
+    """``x @ W`` for x [..., in] in the weight's dtype; the result in x's dtype.
+
+    Kept lean: a decode step makes 121 of these calls (SmolLM2), and the first version's
+    reshapes and conversions cost about 3 ms a step more than the kernel call itself."""
+    x2 = x if x.dim() == 2 else x.reshape(-1, w.in_features)
     m = x2.shape[0]
-    if _lib is None or m == 0 or m > (MAX_ROWS_F32 if w.dtype == torch.float32 else MAX_ROWS_BF16):
+    if m == 1 and w.rows is not None:
+        y = x2 @ w.rows
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.out_features)
+    bf16 = w.blocks.dtype == torch.bfloat16
+    if _lib is None or m == 0 or m > (MAX_ROWS_BF16 if bf16 else MAX_ROWS_F32):
         # torch on the packed blocks: [nb, m, 32] (bf16: back in column order) -> [m, out]
         y = torch.matmul(x2.to(w.dtype), w.blocks)
-        if w.dtype == torch.bfloat16:
+        if bf16:
             y = y[:, :, _BF16_UNDO]
         y = y.permute(1, 0, 2).reshape(m, -1)[:, : w.out_features]
-        return y.to(x.dtype).reshape(*lead, w.out_features)
-    xf = x2.float().contiguous()
+        return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+    xf = x2 if x2.dtype == torch.float32 else x2.float()
+    if not xf.is_contiguous():
+        xf = xf.contiguous()
     y = torch.empty(m, w.out_features, dtype=torch.float32)
     _lib.adaptspec_small_gemm(m, w.in_features, w.out_features, xf.data_ptr(), w.in_features,
-                              w.blocks.data_ptr(), int(w.dtype == torch.bfloat16), y.data_ptr(), w.out_features,
+                              w.blocks.data_ptr(), bf16, y.data_ptr(), w.out_features,
                               torch.get_num_threads())
-    return (y if x.dtype == torch.float32 else y.to(x.dtype)).reshape(*lead, w.out_features)
+    if x.dtype != torch.float32:
+        y = y.to(x.dtype)
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.out_features)

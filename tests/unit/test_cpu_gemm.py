@@ -57,8 +57,11 @@ def test_mode_parsing(monkeypatch):
     monkeypatch.setenv("ADAPTSPEC_CPU_KERNEL", "nonsense")
     with pytest.raises(ValueError, match="ADAPTSPEC_CPU_KERNEL"):
         cpu_gemm.mode()
-    monkeypatch.delenv("ADAPTSPEC_CPU_KERNEL")
+    monkeypatch.setenv("ADAPTSPEC_CPU_KERNEL", "bf16")
     assert cpu_gemm.default_matmul(torch.float32, torch.device("cpu")) == "fast"
+    assert cpu_gemm.default_matmul(torch.bfloat16, torch.device("cpu")) == "packed"
+    monkeypatch.delenv("ADAPTSPEC_CPU_KERNEL")
+    assert cpu_gemm.default_matmul(torch.float32, torch.device("cpu")) == "packed"
     assert cpu_gemm.default_matmul(torch.float32, torch.device("cuda")) == "reference"
 
 
@@ -75,13 +78,48 @@ def test_tiny_model_on_packed_weights_matches_transformers(tmp_path, model_type,
 
 
 @needs_kernel
-def test_bfloat16_packed_agrees_with_torch_bf16(tiny_dir):
+def test_bfloat16_packed_computes_in_fp32_on_bf16_weights(tiny_dir):
+    """bf16 on the kernel is weight-only bf16: the same logits as an fp32 forward over the
+    bf16-rounded weights (fp32 rounding apart), with fp32 activations and KV cache."""
+    from transformers import AutoModelForCausalLM
+
+    from adaptspec.models.llama import LlamaModel
     from tests.unit.test_llama_forward import _ours
 
-    _, fast = _ours(tiny_dir, "fast", dtype=torch.bfloat16)
+    hf, fast = _ours(tiny_dir, "fast", dtype=torch.bfloat16)
     _, packed = _ours(tiny_dir, "packed", dtype=torch.bfloat16)
+    rounded = {k: v.bfloat16().float() for k, v in hf.state_dict().items()}
+    ref = LlamaModel(packed.cfg, rounded, torch.float32, "cpu", "reference")
+    ref.allocate_cache(4, 128)
+    assert packed.compute_dtype == torch.float32 and packed.k_cache[0].dtype == torch.float32
     ids = torch.randint(0, 16, (1, 10), generator=torch.Generator().manual_seed(1))
     a, _ = fast.forward(ids, [0], [0], [10])
-    b, _ = packed.forward(ids, [0], [0], [10])
-    assert b.dtype == torch.bfloat16
-    assert (a.float() - b.float()).abs().max() < 0.1
+    b, hb = packed.forward(ids, [0], [0], [10])
+    r, hr = ref.forward(ids, [0], [0], [10])
+    assert b.dtype == torch.float32 and hb.dtype == torch.float32
+    assert (b - r).abs().max() <= 1e-4 and (hb - hr).abs().max() <= 1e-4
+    # torch's all-bf16 forward lands near it, but further off (its activations are rounded)
+    assert (b - r).abs().max() < (a.float() - r).abs().max() < 0.3
+    # the comparison can fail: an fp32 forward over the unrounded weights is further off
+    full = LlamaModel(packed.cfg, dict(hf.state_dict()), torch.float32, "cpu", "reference")
+    full.allocate_cache(4, 128)
+    f, _ = full.forward(ids, [0], [0], [10])
+    assert (b - f).abs().max() > 1e-4
+
+
+@needs_kernel
+def test_fp32_one_row_copy_goes_to_torch_for_one_row():
+    """fp32 packed weights keep torch's copy for one-row products (the BLAS is faster there);
+    two rows and more go to the kernel; both give the product."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(70, 96, generator=g)
+    pw = cpu_gemm.pack(w, one_row_copy=True)
+    assert pw.rows is not None and torch.equal(pw.rows, w)
+    assert cpu_gemm.pack(w.bfloat16(), one_row_copy=True).rows is None  # bf16: the kernel only
+    x = torch.randn(3, 70, generator=g)
+    assert torch.equal(cpu_gemm.matmul(x[:1], pw), x[:1] @ w)
+    assert (cpu_gemm.matmul(x, pw) - x @ w).abs().max() < 1e-4
+    # the one-row path really reads the copy: a different copy gives a different product
+    bad = cpu_gemm.PackedWeight(pw.blocks, 70, 96, torch.zeros(70, 96))
+    assert torch.count_nonzero(cpu_gemm.matmul(x[:1], bad)) == 0
+    assert torch.count_nonzero(cpu_gemm.matmul(x, bad)) > 0
