@@ -8,17 +8,20 @@ checked against torch on a small product before it is used. Without a compiler, 
 failed build or check, or with ``ADAPTSPEC_CPU_KERNEL=0``, everything falls back to torch's
 matmul (``status()`` says why).
 
-Where it is used (``default_matmul``; ``ADAPTSPEC_CPU_KERNEL=all``, the default): every
-float32 and bfloat16 model on the CPU. bf16 weights are then computed in fp32 (weight-only
-bf16, see ``LlamaModel``). fp32 weights are also kept as torch has them, and one-row
-products (decoding one token) go to the BLAS, whose matrix-vector path reads fp32 weights
-about 10% faster than this kernel does; two rows and more (verifying k + 1 candidates, a
-batch) go to the kernel, where the BLAS packs panels and slows down 1.6-2x. Measured on this
-project's 2-core machine (SmolLM2-135M, one sequence over 200 cached tokens), an fp32 target
-forward of 1 / 2 / 5 / 9 tokens: 35.4 / 47.8 / 55.6 / 69.0 ms all-torch, 39.5 / 41.6 / 46.8
-/ 59.1 ms all-kernel, 35.9 / 41.9 / 47.1 / 54.2 ms both (a throwaway script, one process,
-alternating). ``ADAPTSPEC_CPU_KERNEL=bf16`` keeps fp32 on torch alone (one copy of the
-weights), ``=0`` turns the kernel off.
+Where it is used (``default_matmul``): bfloat16 models on the CPU by default, computed in
+fp32 (weight-only bf16, see ``LlamaModel``); with ``ADAPTSPEC_CPU_KERNEL=all`` float32 models
+too. Packed fp32 weights also keep a copy as torch has it, and one-row products (decoding
+one token) and prefills (more than ``MAX_ROWS_F32`` rows) go to the BLAS, whose
+matrix-vector path reads fp32 weights about 10% faster than this kernel does; 2-64 rows
+(verifying k + 1 candidates, a batch) go to the kernel, where the BLAS packs panels and
+slows down 1.6-2x. Measured on this project's 2-core machine (SmolLM2-135M, one sequence over
+200 cached tokens), an fp32 target forward of 1 / 2 / 5 / 9 tokens: 35.4 / 47.8 / 55.6 / 69.0
+ms all-torch, 39.5 / 41.6 / 46.8 / 59.1 ms all-kernel, 35.9 / 41.9 / 47.1 / 54.2 ms both (a
+throwaway script, one process, alternating). fp32 is not on the kernel by default: in the
+service's load test at 16 clients the adaptive controller then chose speculation far more
+often than with torch's fp32 costs and lost 22-28% of throughput to the best static arm
+(0.96 with torch; deploy/README.md, run 11), which its cost model has to learn to avoid
+first. ``ADAPTSPEC_CPU_KERNEL=0`` turns the kernel off.
 """
 from __future__ import annotations
 
@@ -131,8 +134,8 @@ def _self_check() -> str:
 
 
 def mode() -> str:
-    """``ADAPTSPEC_CPU_KERNEL``: "0" (off), "bf16" (bf16 models only) or "all" (the default)."""
-    v = os.environ.get("ADAPTSPEC_CPU_KERNEL", "all").lower()
+    """``ADAPTSPEC_CPU_KERNEL``: "0" (off), "bf16" (bf16 models only, the default) or "all"."""
+    v = os.environ.get("ADAPTSPEC_CPU_KERNEL", "bf16").lower()
     if v in ("0", "off", "false", "no"):
         return "0"
     if v in ("all", "fp32", "float32"):
@@ -183,7 +186,7 @@ class PackedWeight:
     blocks: torch.Tensor
     in_features: int
     out_features: int
-    rows: torch.Tensor | None = None  # fp32 only, optional: the plain [in, out] weight for one-row products
+    rows: torch.Tensor | None = None  # fp32 only, optional: the plain [in, out] weight for the BLAS
 
     @property
     def dtype(self) -> torch.dtype:
@@ -198,7 +201,8 @@ class PackedWeight:
 
 def pack(w_t: torch.Tensor, one_row_copy: bool = False) -> PackedWeight:
     """Pack a [in, out] weight (fp32 or bf16, CPU) for ``matmul``. ``one_row_copy`` (fp32)
-    also keeps the plain weight, which ``matmul`` gives to torch for one-row products."""
+    also keeps the plain weight, which ``matmul`` gives to torch for one-row products and for
+    more than ``MAX_ROWS_F32`` rows (prefills: one GEMM instead of one per column block)."""
     if w_t.dim() != 2 or w_t.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"pack: want a 2-D fp32/bf16 weight, got {tuple(w_t.shape)} {w_t.dtype}")
     i, o = w_t.shape
@@ -219,7 +223,7 @@ def matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     reshapes and conversions cost about 3 ms a step more than the kernel call itself."""
     x2 = x if x.dim() == 2 else x.reshape(-1, w.in_features)
     m = x2.shape[0]
-    if m == 1 and w.rows is not None:
+    if w.rows is not None and (m == 1 or m > MAX_ROWS_F32):  # the BLAS: one row, or a GEMM's worth
         y = x2 @ w.rows
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.out_features)
     bf16 = w.blocks.dtype == torch.bfloat16

@@ -57,11 +57,11 @@ def test_mode_parsing(monkeypatch):
     monkeypatch.setenv("ADAPTSPEC_CPU_KERNEL", "nonsense")
     with pytest.raises(ValueError, match="ADAPTSPEC_CPU_KERNEL"):
         cpu_gemm.mode()
-    monkeypatch.setenv("ADAPTSPEC_CPU_KERNEL", "bf16")
+    monkeypatch.setenv("ADAPTSPEC_CPU_KERNEL", "all")
+    assert cpu_gemm.default_matmul(torch.float32, torch.device("cpu")) == "packed"
+    monkeypatch.delenv("ADAPTSPEC_CPU_KERNEL")
     assert cpu_gemm.default_matmul(torch.float32, torch.device("cpu")) == "fast"
     assert cpu_gemm.default_matmul(torch.bfloat16, torch.device("cpu")) == "packed"
-    monkeypatch.delenv("ADAPTSPEC_CPU_KERNEL")
-    assert cpu_gemm.default_matmul(torch.float32, torch.device("cpu")) == "packed"
     assert cpu_gemm.default_matmul(torch.float32, torch.device("cuda")) == "reference"
 
 
@@ -109,8 +109,8 @@ def test_bfloat16_packed_computes_in_fp32_on_bf16_weights(tiny_dir):
 
 @needs_kernel
 def test_fp32_one_row_copy_goes_to_torch_for_one_row():
-    """fp32 packed weights keep torch's copy for one-row products (the BLAS is faster there);
-    two rows and more go to the kernel; both give the product."""
+    """fp32 packed weights keep torch's copy for one-row products and prefills (the BLAS is
+    faster there); 2-64 rows go to the kernel; both give the product."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(70, 96, generator=g)
     pw = cpu_gemm.pack(w, one_row_copy=True)
@@ -123,3 +123,6 @@ def test_fp32_one_row_copy_goes_to_torch_for_one_row():
     bad = cpu_gemm.PackedWeight(pw.blocks, 70, 96, torch.zeros(70, 96))
     assert torch.count_nonzero(cpu_gemm.matmul(x[:1], bad)) == 0
     assert torch.count_nonzero(cpu_gemm.matmul(x, bad)) > 0
+    many = torch.randn(cpu_gemm.MAX_ROWS_F32 + 1, 70, generator=g)  # a prefill: the BLAS too
+    assert torch.equal(cpu_gemm.matmul(many, pw), many @ w)
+    assert torch.count_nonzero(cpu_gemm.matmul(many, bad)) == 0
