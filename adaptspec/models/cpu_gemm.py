@@ -199,8 +199,8 @@ class PackedWeight:
         return blocks.permute(1, 0, 2).reshape(i, nb * BW)[:, : self.out_features].contiguous()
 
 
-def pack(w_t: torch.Tensor, one_row_copy: bool = False) -> PackedWeight:
-    """Pack a [in, out] weight (fp32 or bf16, CPU) for ``matmul``. ``one_row_copy`` (fp32)
+def pack(w_t: torch.Tensor, blas_copy: bool = False) -> PackedWeight:
+    """Pack a [in, out] weight (fp32 or bf16, CPU) for ``matmul``. ``blas_copy`` (fp32)
     also keeps the plain weight, which ``matmul`` gives to torch for one-row products and for
     more than ``MAX_ROWS_F32`` rows (prefills: one GEMM instead of one per column block)."""
     if w_t.dim() != 2 or w_t.dtype not in (torch.float32, torch.bfloat16):
@@ -212,15 +212,15 @@ def pack(w_t: torch.Tensor, one_row_copy: bool = False) -> PackedWeight:
     blocks = p.view(i, nb, BW).permute(1, 0, 2)
     if w_t.dtype == torch.bfloat16:
         blocks = blocks[:, :, _BF16_ORDER]
-    rows = w_t.contiguous() if one_row_copy and w_t.dtype == torch.float32 else None
+    rows = w_t.contiguous() if blas_copy and w_t.dtype == torch.float32 else None
     return PackedWeight(blocks.contiguous(), i, o, rows)
 
 
 def matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     """``x @ W`` for x [..., in] in the weight's dtype; the result in x's dtype.
 
-    Kept lean: a decode step makes 121 of these calls (SmolLM2), and the first version's
-    reshapes and conversions cost about 3 ms a step more than the kernel call itself."""
+    Kept lean: a decode step makes 121 of these calls (SmolLM2); the first version's reshapes
+    and conversions cost 2-3 ms more over those calls (fp32 rows, a throwaway timing)."""
     x2 = x if x.dim() == 2 else x.reshape(-1, w.in_features)
     m = x2.shape[0]
     if w.rows is not None and (m == 1 or m > MAX_ROWS_F32):  # the BLAS: one row, or a GEMM's worth

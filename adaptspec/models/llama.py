@@ -125,9 +125,9 @@ class LlamaModel:
         if matmul == "packed":
             cpu_gemm.enabled()  # build/load once, before the first forward
             # fp32 also keeps each weight as torch has it, for one-row products (decoding one
-            # token), where the BLAS reads fp32 weights ~10% faster than the kernel: twice the
-            # weight memory, for the fastest decode step and verification both
-            lay = lambda t: cpu_gemm.pack(t.t(), one_row_copy=dtype == torch.float32)  # noqa: E731
+            # token: the BLAS reads fp32 weights ~10% faster than the kernel) and prefills:
+            # twice the weight memory, for the fastest decode step and verification both
+            lay = lambda t: cpu_gemm.pack(t.t(), blas_copy=dtype == torch.float32)  # noqa: E731
         elif self.fast:
             lay = lambda t: t.t().contiguous()  # noqa: E731
         else:

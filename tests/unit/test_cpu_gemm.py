@@ -81,8 +81,6 @@ def test_tiny_model_on_packed_weights_matches_transformers(tmp_path, model_type,
 def test_bfloat16_packed_computes_in_fp32_on_bf16_weights(tiny_dir):
     """bf16 on the kernel is weight-only bf16: the same logits as an fp32 forward over the
     bf16-rounded weights (fp32 rounding apart), with fp32 activations and KV cache."""
-    from transformers import AutoModelForCausalLM
-
     from adaptspec.models.llama import LlamaModel
     from tests.unit.test_llama_forward import _ours
 
@@ -108,14 +106,14 @@ def test_bfloat16_packed_computes_in_fp32_on_bf16_weights(tiny_dir):
 
 
 @needs_kernel
-def test_fp32_one_row_copy_goes_to_torch_for_one_row():
+def test_fp32_blas_copy_takes_one_row_and_prefills():
     """fp32 packed weights keep torch's copy for one-row products and prefills (the BLAS is
     faster there); 2-64 rows go to the kernel; both give the product."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(70, 96, generator=g)
-    pw = cpu_gemm.pack(w, one_row_copy=True)
+    pw = cpu_gemm.pack(w, blas_copy=True)
     assert pw.rows is not None and torch.equal(pw.rows, w)
-    assert cpu_gemm.pack(w.bfloat16(), one_row_copy=True).rows is None  # bf16: the kernel only
+    assert cpu_gemm.pack(w.bfloat16(), blas_copy=True).rows is None  # bf16: the kernel only
     x = torch.randn(3, 70, generator=g)
     assert torch.equal(cpu_gemm.matmul(x[:1], pw), x[:1] @ w)
     assert (cpu_gemm.matmul(x, pw) - x @ w).abs().max() < 1e-4
