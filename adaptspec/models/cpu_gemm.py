@@ -40,11 +40,14 @@ from pathlib import Path
 import torch
 
 BW = 32  # output columns per packed block (two 16-float vectors)
-# Rows past which torch takes over (on the packed blocks), measured for a 576 x 3072 layer on
-# this project's 2-core machine: fp32 kernel / BLAS 0.47 / 0.59 ms at 5 rows, 1.7 / 2.0 at 64,
-# 3.7 / 3.1 at 150; bf16 0.41 / 1.2 ms at 5 rows, 4.0 / 9.3 at 150, 6.5 / 15.4 at 256.
+# Rows past which torch takes over, measured for a 576 x 3072 layer on this project's 2-core
+# machine: fp32 kernel / BLAS 0.47 / 0.59 ms at 5 rows, 1.7 / 2.0 at 64, 3.7 / 3.1 at 150;
+# bf16 0.41 / 1.2 ms at 5 rows, 4.0 / 9.3 at 150, 6.5 / 15.4 at 256.
 MAX_ROWS_F32 = 64
-MAX_ROWS_BF16 = 512  # (whole-batch teacher passes of distillation go to torch)
+# bf16 has no cap: without AVX512-BF16 torch's bf16 GEMM is the slow one at every size
+# (576 x 3072 bf16 weight, 600 / 1600 rows: kernel 9.0 / 26.6 ms, torch 58.5 / 168 ms), and
+# batched prefills of long prompts pass 512 rows.
+MAX_ROWS_BF16 = 1 << 30
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
