@@ -26,7 +26,13 @@ def test_pack_round_trip(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 16, 17, 40, 80, 600])  # 80, 600: fp32 goes to torch
 def test_products_match_torch(dtype, rows):
-    g = torch.Generator().manual_seed(rows)
+    x, w = _check_product(dtype, rows, seed=rows)
+    # leading dimensions are kept
+    assert cpu_gemm.matmul(x.view(1, rows, 70), cpu_gemm.pack(w)).shape == (1, rows, 100)
+
+
+def _check_product(dtype, rows: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
     w = torch.randn(70, 100, generator=g).to(dtype)
     x = torch.randn(rows, 70, generator=g).to(dtype)
     want = x.float() @ w.float()
@@ -34,23 +40,15 @@ def test_products_match_torch(dtype, rows):
     assert got.dtype == dtype and got.shape == (rows, 100)
     tol = 1e-4 if dtype == torch.float32 else 2.0 ** -7 * want.abs().max().item()
     assert (got.float() - want).abs().max().item() <= tol
-    # leading dimensions are kept
-    assert cpu_gemm.matmul(x.view(1, rows, 70), cpu_gemm.pack(w)).shape == (1, rows, 100)
+    return x, w
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_fallback_on_packed_blocks(monkeypatch, dtype):
     """Without the kernel (no compiler, a failed build) torch multiplies the packed blocks."""
     monkeypatch.setattr(cpu_gemm, "_lib", None)
-    g = torch.Generator().manual_seed(4)
-    w = torch.randn(70, 100, generator=g).to(dtype)
     for rows in (1, 5, 600):
-        x = torch.randn(rows, 70, generator=g).to(dtype)
-        want = x.float() @ w.float()
-        got = cpu_gemm.matmul(x, cpu_gemm.pack(w))
-        assert got.dtype == dtype and got.shape == (rows, 100)
-        tol = 1e-4 if dtype == torch.float32 else 2.0 ** -7 * want.abs().max().item()
-        assert (got.float() - want).abs().max().item() <= tol
+        _check_product(dtype, rows, seed=4)
 
 
 def test_negative_control_a_wrong_layout_is_caught():
