@@ -44,10 +44,9 @@ BW = 32  # output columns per packed block (two 16-float vectors)
 # machine: fp32 kernel / BLAS 0.47 / 0.59 ms at 5 rows, 1.7 / 2.0 at 64, 3.7 / 3.1 at 150;
 # bf16 0.41 / 1.2 ms at 5 rows, 4.0 / 9.3 at 150, 6.5 / 15.4 at 256.
 MAX_ROWS_F32 = 64
-# bf16 has no cap: without AVX512-BF16 torch's bf16 GEMM is the slow one at every size
+# bf16 has no such cap: without AVX512-BF16 torch's bf16 GEMM is the slow one at every size
 # (576 x 3072 bf16 weight, 600 / 1600 rows: kernel 9.0 / 26.6 ms, torch 58.5 / 168 ms), and
 # batched prefills of long prompts pass 512 rows.
-MAX_ROWS_BF16 = 1 << 30
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -230,7 +229,7 @@ def matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         y = x2 @ w.rows
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.out_features)
     bf16 = w.blocks.dtype == torch.bfloat16
-    if _lib is None or m == 0 or m > (MAX_ROWS_BF16 if bf16 else MAX_ROWS_F32):
+    if _lib is None or m == 0 or (not bf16 and m > MAX_ROWS_F32):
         # torch on the packed blocks: [nb, m, 32] (bf16: back in column order) -> [m, out]
         y = torch.matmul(x2.to(w.dtype), w.blocks)
         if bf16:
