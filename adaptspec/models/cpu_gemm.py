@@ -54,8 +54,12 @@ _status = "not loaded"
 _tried = False
 
 
-def _source() -> str:
-    return resources.files("adaptspec.models").joinpath("csrc/small_gemm.c").read_text()
+SOURCES = ("small_gemm.c", "layer_ops.c")  # one shared library
+
+
+def _sources() -> dict[str, str]:
+    d = resources.files("adaptspec.models").joinpath("csrc")
+    return {name: d.joinpath(name).read_text() for name in SOURCES}
 
 
 def _cpu_id() -> str:
@@ -68,16 +72,18 @@ def _cpu_id() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build(cc: str, out: Path, src: str) -> None:
+def _build(cc: str, out: Path, srcs: dict[str, str]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        c = Path(tmp) / "small_gemm.c"
-        c.write_text(src)
+        files = []
+        for name, text in srcs.items():
+            files.append(Path(tmp) / name)
+            files[-1].write_text(text)
         so = Path(tmp) / out.name
-        cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", str(c), "-o", str(so)]
+        cmd = [cc, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", *map(str, files), "-o", str(so), "-lm"]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
-            raise RuntimeError(f"{' '.join(cmd[:-3])} failed: {(r.stderr or r.stdout).strip()[:300]}")
+            raise RuntimeError(f"{' '.join(cmd[:6])} failed: {(r.stderr or r.stdout).strip()[:300]}")
         os.replace(so, out)  # atomic: concurrent builders (Ray workers) never see half a file
 
 
@@ -90,24 +96,25 @@ def _load() -> None:
     if cc is None:
         _status = "no C compiler (cc/gcc) on PATH: torch matmul"
         return
-    src = _source()
+    srcs = _sources()
     try:
         ver = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
     except (OSError, subprocess.SubprocessError) as e:
         _status = f"C compiler {cc} unusable ({e}): torch matmul"
         return
-    key = hashlib.sha256("\n".join([src, cc, *ver, _cpu_id()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([*srcs.values(), cc, *ver, _cpu_id()]).encode()).hexdigest()[:16]
     from adaptspec.models.registry import home
 
     out = home() / "ext" / f"small_gemm-{key}{'.dll' if os.name == 'nt' else '.so'}"
     try:
         if not out.exists():
-            _build(cc, out, src)
+            _build(cc, out, srcs)
         lib = ctypes.CDLL(str(out))
         f = lib.adaptspec_small_gemm
         f.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                       ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
         f.restype = None
+        _declare_layer_ops(lib)
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _status = f"build/load failed ({e}): torch matmul"
         return
@@ -118,6 +125,15 @@ def _load() -> None:
         _status = f"self-check failed ({bad}): torch matmul"
         return
     _status = f"on ({out.name})"
+
+
+def _declare_layer_ops(lib: ctypes.CDLL) -> None:
+    i, p, f, i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_int64
+    for name, args in (("adaptspec_add_rms_norm", [i, i, p, p, p, f, p]),
+                       ("adaptspec_silu_mul", [i, i, p, p]),
+                       ("adaptspec_attention", [i, p, p, p, p, i, p, p, p, p, i64, i64, i, i, i, f, p, i, i])):
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, None
 
 
 def _self_check() -> str:
@@ -132,7 +148,60 @@ def _self_check() -> str:
             tol = 1e-4 if dt == torch.float32 else 2.0 ** -7
             if not err <= tol * max(1.0, want.abs().max().item()):
                 return f"{dt} {m}x{i}x{o}: max error {err:.3g}"
+    return _check_layer_ops(g)
+
+
+def _check_layer_ops(g: torch.Generator) -> str:
+    """The layer ops against torch on small shapes (tests/unit/test_layer_ops.py does more)."""
+    import torch.nn.functional as F
+
+    h, d, w = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g), torch.randn(40, generator=g)
+    want = F.rms_norm(h + d, (40,), w, 1e-5)
+    got = add_rms_norm(h.clone(), d, w, 1e-5)
+    if not (got - want).abs().max().item() <= 1e-5:
+        return "add_rms_norm differs from torch"
+    gu = torch.randn(3, 2 * 37, generator=g) * 4
+    if not (silu_mul(gu) - F.silu(gu[:, :37]) * gu[:, 37:]).abs().max().item() <= 1e-5:
+        return "silu_mul differs from torch"
     return ""
+
+
+# ---- the rest of a decoder layer (csrc/layer_ops.c), fp32, for rows of a few tokens -------
+# LlamaModel._forward_fused calls these; the tensors must be contiguous fp32 on the CPU.
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """``h += delta`` (in place, when given), then RMSNorm(h) * w. h, delta: [N, H]."""
+    n, hid = h.shape
+    out = torch.empty_like(h) if out is None else out
+    _lib.adaptspec_add_rms_norm(n, hid, h.data_ptr(), None if delta is None else delta.data_ptr(),
+                                w.data_ptr(), eps, out.data_ptr())
+    return out
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of the fused gate/up product gu [N, 2I]: silu(gate) * up, [N, I]."""
+    n, two_i = gu.shape
+    out = torch.empty(n, two_i // 2, dtype=torch.float32)
+    _lib.adaptspec_silu_mul(n, two_i // 2, gu.data_ptr(), out.data_ptr())
+    return out
+
+
+def attention(qkv: torch.Tensor, row_start: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
+              cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              num_heads: int, max_ctx: int) -> torch.Tensor:
+    """Rotary embedding, cache write and causal attention over the cache for B sequences'
+    new tokens (see ``adaptspec_attention``). qkv [N, (H + 2 Hkv) D] (rotated in place);
+    row_start [B + 1], slots [B], cache_lens [B]: int32; caches [slots, Hkv, L, D].
+    Returns [N, H * D]."""
+    _, hkv, length, d = k_cache.shape
+    n = qkv.shape[0]
+    out = torch.empty(n, num_heads * d, dtype=torch.float32)
+    _lib.adaptspec_attention(slots.shape[0], row_start.data_ptr(), slots.data_ptr(), cache_lens.data_ptr(),
+                             qkv.data_ptr(), qkv.shape[1], cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                             v_cache.data_ptr(), hkv * length * d, length * d, num_heads, hkv, d,
+                             d ** -0.5, out.data_ptr(), max_ctx, torch.get_num_threads())
+    return out
 
 
 def mode() -> str:

@@ -20,6 +20,10 @@ import torch.nn.functional as F
 
 from adaptspec.models import cpu_gemm
 
+# Rows (sequences) of up to this many new tokens take the fused CPU path; longer ones
+# (prefills) stay on torch, whose attention is tiled for them.
+FUSED_MAX_TOKENS = 32
+
 
 @dataclass(slots=True)
 class LlamaConfig:
@@ -153,6 +157,10 @@ class LlamaModel:
         emb = torch.cat([freqs, freqs], -1)
         self.cos = emb.cos().to(self.device, ct)  # [max_position, head_dim]
         self.sin = emb.sin().to(self.device, ct)
+        # decoding and verification (rows of up to FUSED_MAX_TOKENS tokens) run their norms,
+        # rotary embedding, attention and SwiGLU in C (csrc/layer_ops.c) on the CPU in fp32
+        self.fused = (self.device.type == "cpu" and self.fast and ct == torch.float32
+                      and cpu_gemm.mode() != "0" and cpu_gemm.enabled())
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.num_slots = 0
@@ -198,14 +206,16 @@ class LlamaModel:
         """
         c, dev = self.cfg, self.device
         B, T = input_ids.shape
+        ctx = max(l + n for l, n in zip(cache_lens, num_tokens))
+        if ctx > self.max_len:
+            raise ValueError(f"context of {ctx} tokens exceeds the KV cache length {self.max_len}")
+        if self.fused and max(num_tokens) <= FUSED_MAX_TOKENS:
+            return self._forward_fused(input_ids, slots, cache_lens, num_tokens, logits_rows, inputs_embeds)
         lens = torch.tensor(cache_lens, device=dev)  # [B]
         ntok = torch.tensor(num_tokens, device=dev)  # [B]
         t = torch.arange(T, device=dev)
         positions = lens[:, None] + t[None, :]  # [B, T]
         real = t[None, :] < ntok[:, None]  # [B, T]
-        ctx = max(l + n for l, n in zip(cache_lens, num_tokens))
-        if ctx > self.max_len:
-            raise ValueError(f"context of {ctx} tokens exceeds the KV cache length {self.max_len}")
         padded = any(n != T for n in num_tokens)
         # the real tokens, packed: flat index b * T + t of each, and its slot and position
         flat_idx = real.reshape(-1).nonzero().squeeze(1) if padded else None
@@ -253,13 +263,50 @@ class LlamaModel:
             gu = self._mm(x, gate_up_w)
             h = h + self._mm(F.silu(gu[:, :c.intermediate_size]) * gu[:, c.intermediate_size:], down_w)
         hidden_p = F.rms_norm(h, (c.hidden_size,), self.norm, c.rms_norm_eps)  # [N, hidden]
-        if padded:
-            hidden = torch.zeros(B * T, c.hidden_size, dtype=hidden_p.dtype, device=dev)
+        return self._output(hidden_p, B, T, flat_idx if padded else None, logits_rows)
+
+    def _output(self, hidden_p, B: int, T: int, flat_idx, logits_rows):
+        """Logits of the wanted rows and the hidden states back in the [B, T] layout."""
+        if flat_idx is not None:
+            hidden = torch.zeros(B * T, hidden_p.shape[1], dtype=hidden_p.dtype, device=self.device)
             hidden.index_copy_(0, flat_idx, hidden_p)
         else:
             hidden = hidden_p
         flat = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
-        return self._mm(flat, self.lm_head), hidden.view(B, T, c.hidden_size)
+        return self._mm(flat, self.lm_head), hidden.view(B, T, hidden_p.shape[1])
+
+    def _forward_fused(self, input_ids, slots, cache_lens, num_tokens, logits_rows, inputs_embeds):
+        """``forward`` for rows of a few tokens (decoding, verification) on the CPU in fp32:
+        the same computation, with everything but the matmuls in three C calls per layer
+        (``cpu_gemm.attention`` / ``add_rms_norm`` / ``silu_mul``) instead of ~45 torch
+        operations; only the real tokens, packed, are computed."""
+        c = self.cfg
+        B, T = input_ids.shape
+        padded = any(n != T for n in num_tokens)
+        src = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds  # [B, T, hidden]
+        src = src.reshape(B * T, c.hidden_size)
+        flat_idx = None
+        if padded:
+            flat_idx = torch.tensor([b * T + t for b, n in enumerate(num_tokens) for t in range(n)])
+            src = src.index_select(0, flat_idx)
+        h = torch.empty(src.shape, dtype=torch.float32)  # the residual stream, updated in place
+        h.copy_(src)
+        starts = [0]
+        for n in num_tokens:
+            starts.append(starts[-1] + n)
+        row_start = torch.tensor(starts, dtype=torch.int32)
+        slots_t = torch.tensor(slots, dtype=torch.int32)
+        lens_t = torch.tensor(cache_lens, dtype=torch.int32)
+        ctx = max(l + n for l, n in zip(cache_lens, num_tokens))
+        eps, x, delta = c.rms_norm_eps, None, None
+        for li, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
+            x = cpu_gemm.add_rms_norm(h, delta, ln1, eps, out=x)
+            a = cpu_gemm.attention(self._mm(x, qkv_w, qkv_b), row_start, slots_t, lens_t, self.cos, self.sin,
+                                   self.k_cache[li], self.v_cache[li], c.num_heads, ctx)
+            x = cpu_gemm.add_rms_norm(h, self._mm(a, o_w), ln2, eps, out=x)
+            delta = self._mm(cpu_gemm.silu_mul(self._mm(x, gate_up_w)), down_w)
+        hidden_p = cpu_gemm.add_rms_norm(h, delta, self.norm, eps)
+        return self._output(hidden_p, B, T, flat_idx, logits_rows)
 
     def _mm(self, x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         if not self.fast:

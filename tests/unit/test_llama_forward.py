@@ -118,3 +118,45 @@ def test_context_past_cache_is_refused(tiny_dir):
     _, m = _ours(tiny_dir, "fast", max_len=8)
     with pytest.raises(ValueError, match="KV cache length"):
         m.forward(torch.zeros(1, 9, dtype=torch.long), [0], [0], [9])
+
+
+@pytest.mark.parametrize("hidden", [32, 256, 512])  # head_dim 8 (the generic C loops), 64, 128
+@pytest.mark.parametrize("dtype,matmul", [(torch.float32, "fast"), (torch.bfloat16, "packed")])
+def test_fused_cpu_layer_ops_match_the_torch_ops(tmp_path, hidden, dtype, matmul):
+    """Decoding and verification (rows of up to FUSED_MAX_TOKENS tokens) run the layer's
+    norms, rotary embedding, cache write, attention and SwiGLU in C; the same forward on torch
+    ops gives the same logits, hidden states and KV cache to fp32 rounding: a prefill on
+    torch, then ragged steps over non-contiguous slots with contexts that cross the C code's
+    16-key blocks."""
+    from adaptspec.models import cpu_gemm
+    from adaptspec.models.llama import FUSED_MAX_TOKENS
+
+    if not cpu_gemm.enabled():
+        pytest.skip(f"CPU kernels unavailable: {cpu_gemm.status()}")
+    folder = make_tiny_model(tmp_path, vocab=64, seed=7, hidden=hidden, model_type="qwen2" if hidden == 256 else "llama")
+    _, fused = _ours(folder, matmul, dtype)
+    _, plain = _ours(folder, matmul, dtype)
+    assert fused.fused
+    plain.fused = False
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 64, (3, FUSED_MAX_TOKENS + 5), generator=g)
+    for m in (fused, plain):  # a prefill longer than FUSED_MAX_TOKENS: torch ops in both
+        m.forward(prompt, [3, 0, 1], [0, 0, 0], [prompt.shape[1]] * 3)
+    lens = [prompt.shape[1]] * 3
+    for step, ntok in enumerate(([1, 1, 1], [5, 1, 3], [2, 9, 1], [FUSED_MAX_TOKENS, 4, 1])):
+        ids = torch.randint(0, 64, (3, max(ntok)), generator=g)
+        (lf, hf_), (lp, hp) = (m.forward(ids, [3, 0, 1], lens, ntok) for m in (fused, plain))
+        assert _rel_err(lf, lp) <= 5e-5 and _rel_err(hf_, hp) <= 5e-5, step
+        lens = [n + t - (step % 2) for n, t in zip(lens, ntok)]  # odd steps roll a token back
+    for kf, kp in zip(fused.k_cache + fused.v_cache, plain.k_cache + plain.v_cache):
+        assert _rel_err(kf, kp) <= 5e-5
+    # the comparison can fail: attending one key short (a wrong cache length) is caught
+    ids = torch.randint(0, 64, (3, 2), generator=g)
+    lf, _ = fused.forward(ids, [3, 0, 1], lens, [2, 2, 2])
+    lp, _ = plain.forward(ids, [3, 0, 1], [lens[0] - 1, *lens[1:]], [2, 2, 2])
+    assert _rel_err(lf, lp) > 1e-3
+
+
+def _rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest difference relative to the largest magnitude (fp32 rounding: 1e-6 to 1e-5 here)."""
+    return ((a - b).abs().max() / b.abs().max().clamp(min=1.0)).item()
