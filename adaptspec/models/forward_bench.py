@@ -23,10 +23,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--target", default="smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--layouts", default="packed,fast", help="packed (the CPU kernel), fast (torch), reference")
+    ap.add_argument("--layouts", default="packed,fast",
+                    help="packed (the CPU kernel), fast (torch), reference; a '-unfused' suffix runs the "
+                         "decode/verify layers on torch ops instead of the C layer ops")
     ap.add_argument("--cached", type=int, default=200)
     ap.add_argument("--prefill", type=int, default=150)
-    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
 
@@ -35,7 +37,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(a.threads)
     models = {}
     for lay in a.layouts.split(","):
-        m = load_model(a.target, dtype=a.dtype, matmul=lay, quiet=True).model
+        m = load_model(a.target, dtype=a.dtype, matmul=lay.removesuffix("-unfused"), quiet=True).model
+        m.fused = m.fused and not lay.endswith("-unfused")
         m.allocate_cache(2, a.cached + a.prefill + max(SIZES) + 1)
         m.forward(torch.randint(0, 1000, (1, a.cached)), [0], [0], [a.cached],
                   logits_rows=torch.tensor([a.cached - 1]))

@@ -15,40 +15,45 @@
  * own keys in order), so a position gives the same value decoded alone or verified in a
  * chunk of k + 1.
  *
- * GCC vector extensions (builds to AVX-512, AVX2 or NEON from one source); OpenMP over
- * (sequence, head) pairs for attention.
+ * GCC vector extensions of 8 floats (AVX2 / AVX-512VL registers, NEON pairs) from one
+ * source; OpenMP over tasks of attention. 8 and not 16 lanes: the project's CPU (Ice Lake
+ * server, one 512-bit FMA unit) ran attention's multiply-adds about twice as fast in 256-bit
+ * registers (two units): 1.9 vs 3.6 ns per query-key pair of the value sum, in a throwaway C
+ * benchmark. The weight products (small_gemm.c) wait on memory, not on FMAs, and measured the
+ * same either way, so they keep 16 lanes.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef float v16f __attribute__((vector_size(64)));
-typedef int32_t v16i __attribute__((vector_size(64)));
+#define VL 8
+typedef float vf __attribute__((vector_size(4 * VL)));
+typedef int32_t vi __attribute__((vector_size(4 * VL)));
 
-static inline v16f vload(const float* p) {
-    v16f v;
+static inline vf vload(const float* p) {
+    vf v;
     memcpy(&v, p, sizeof v);
     return v;
 }
 
-static inline void vstore(float* p, v16f v) { memcpy(p, &v, sizeof v); }
+static inline void vstore(float* p, vf v) { memcpy(p, &v, sizeof v); }
 
-static inline float hsum(v16f v) {
-    float t[16];
+static inline float hsum(vf v) {
+    float t[VL];
     memcpy(t, &v, sizeof t);
-    float a = (t[0] + t[8]) + (t[4] + t[12]), b = (t[2] + t[10]) + (t[6] + t[14]);
-    float c = (t[1] + t[9]) + (t[5] + t[13]), d = (t[3] + t[11]) + (t[7] + t[15]);
-    return (a + b) + (c + d);
+    return ((t[0] + t[4]) + (t[2] + t[6])) + ((t[1] + t[5]) + (t[3] + t[7]));
 }
 
-static inline float hmax(v16f v) {
-    float t[16];
+static inline float hmax(vf v) {
+    float t[VL];
     memcpy(t, &v, sizeof t);
     float m = t[0];
-    for (int i = 1; i < 16; i++) m = t[i] > m ? t[i] : m;
+    for (int i = 1; i < VL; i++) m = t[i] > m ? t[i] : m;
     return m;
 }
+
+static inline vf vselect(vi mask, vf a, vf b) { return (vf)(((vi)a & mask) | ((vi)b & ~mask)); }
 
 /* Subnormal floats (below 1.2e-38) cost the CPU a microcode assist per operation: a softmax
    over widely spread scores makes weights near 1e-38 whose products with the values are
@@ -64,34 +69,32 @@ static inline float hmax(v16f v) {
 #define FLUSH_END
 #endif
 
-/* exp on 16 lanes for x <= ~88: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for
+/* exp on VL lanes for x <= ~88: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial for
    e^r (Cephes' expf coefficients), times 2^n built in the exponent bits. Below -86.5 the
    result is 0 (e^-86.5 ~ 2.6e-38, nothing next to a softmax's largest term, 1): it keeps
-   every result a normal float, as subnormal operands cost the CPU a microcode assist each
-   (attention over scores spread wide ran 3-4x slower with them). */
-static inline v16f vexp(v16f x) {
-    const v16f lo = (v16f){0} - 86.5f, hi = (v16f){0} + 88.0f;
-    v16i below = x < lo, above = x > hi;
-    x = (v16f)(((v16i)x & ~below) | ((v16i)lo & below));
-    x = (v16f)(((v16i)x & ~above) | ((v16i)hi & above));  /* e^88 = 1.7e38: SwiGLU's far tail */
-    v16f t = x * 1.44269504088896341f + 0.5f;
-    v16i n = __builtin_convertvector(t, v16i);  /* truncates toward zero: make it floor */
-    v16f nf = __builtin_convertvector(n, v16f);
-    n += (v16i)(nf > t);  /* -1 where the truncation went up */
-    nf = __builtin_convertvector(n, v16f);
-    v16f r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
-    v16f p = (v16f){0} + 1.9875691500e-4f;
+   every result a normal float. */
+static inline vf vexp(vf x) {
+    const vf lo = (vf){0} - 86.5f, hi = (vf){0} + 88.0f;
+    vi below = x < lo;
+    x = vselect(below, lo, x);
+    x = vselect(x > hi, hi, x);  /* e^88 = 1.7e38: SwiGLU's far tail */
+    vf t = x * 1.44269504088896341f + 0.5f;
+    vi n = __builtin_convertvector(t, vi);  /* truncates toward zero: make it floor */
+    n += (vi)(__builtin_convertvector(n, vf) > t);  /* -1 where the truncation went up */
+    vf nf = __builtin_convertvector(n, vf);
+    vf r = x - nf * 0.693359375f + nf * 2.12194440e-4f;
+    vf p = (vf){0} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * r * r + r + 1.0f;
-    v16i e = (n + 127) << 23;
-    return (v16f)((v16i)(p * (v16f)e) & ~below);
+    vi e = (n + 127) << 23;
+    return (vf)((vi)(p * (vf)e) & ~below);
 }
 
-int adaptspec_layer_ops_version(void) { return 1; }
+int adaptspec_layer_ops_version(void) { return 2; }
 
 /* out[n] = h[n] / rms(h[n]) * w, and first h[n] += delta[n] when delta is given (the
    residual add that precedes every norm of a layer). N rows of H floats. */
@@ -104,10 +107,10 @@ void adaptspec_add_rms_norm(int N, int H, float* h, const float* delta, const fl
             const float* dl = delta + (int64_t)n * H;
             for (int i = 0; i < H; i++) x[i] += dl[i];
         }
-        v16f acc = {0};
+        vf acc = {0};
         int i = 0;
-        for (; i + 16 <= H; i += 16) {
-            v16f v = vload(x + i);
+        for (; i + VL <= H; i += VL) {
+            vf v = vload(x + i);
             acc += v * v;
         }
         float ss = hsum(acc);
@@ -125,8 +128,8 @@ void adaptspec_silu_mul(int N, int I, const float* gu, float* out) {
         const float* u = g + I;
         float* y = out + (int64_t)n * I;
         int i = 0;
-        for (; i + 16 <= I; i += 16) {
-            v16f gv = vload(g + i);
+        for (; i + VL <= I; i += VL) {
+            vf gv = vload(g + i);
             vstore(y + i, gv / (1.0f + vexp(-gv)) * vload(u + i));
         }
         for (; i < I; i++) y[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
@@ -146,90 +149,110 @@ static void rope(float* x, const float* cs, const float* sn, int D) {
 }
 
 static inline float dot(const float* a, const float* b, int D) {
-    v16f acc = {0};
+    vf acc = {0};
     int d = 0;
-    for (; d + 16 <= D; d += 16) acc += vload(a + d) * vload(b + d);
+    for (; d + VL <= D; d += VL) acc += vload(a + d) * vload(b + d);
     float s = hsum(acc);
     for (; d < D; d++) s += a[d] * b[d];
     return s;
 }
 
-/* The shuffles that sum 16 vectors lane-wise into one: lane i of the result is the sum of
-   vector i's lanes. Four levels, each halving the partial sums per key and doubling the keys
-   a vector holds: 15 x (two shuffles + one add) per 16 dot products, instead of a
-   horizontal sum (a store and 15 scalar adds) for each. */
+/* The shuffles that sum VL vectors lane-wise into one: lane i of the result is the sum of
+   vector i's lanes. Three levels, each halving the partial sums per key and doubling the
+   keys a vector holds: 7 x (two shuffles + one add) per VL dot products, instead of a
+   horizontal sum (a store and 7 scalar adds) for each. */
 #define SHUF __builtin_shufflevector
-static inline v16f comb8(v16f x, v16f y) {
-    return SHUF(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           SHUF(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+static inline vf comb4(vf x, vf y) {
+    return SHUF(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
 }
-static inline v16f comb4(v16f x, v16f y) {
-    return SHUF(x, y, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           SHUF(x, y, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+static inline vf comb2(vf x, vf y) {
+    return SHUF(x, y, 0, 1, 4, 5, 8, 9, 12, 13) + SHUF(x, y, 2, 3, 6, 7, 10, 11, 14, 15);
 }
-static inline v16f comb2(v16f x, v16f y) {
-    return SHUF(x, y, 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           SHUF(x, y, 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+static inline vf comb1(vf x, vf y) {
+    return SHUF(x, y, 0, 2, 4, 6, 8, 10, 12, 14) + SHUF(x, y, 1, 3, 5, 7, 9, 11, 13, 15);
 }
-static inline v16f comb1(v16f x, v16f y) {
-    return SHUF(x, y, 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           SHUF(x, y, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
-static inline v16f sum16(const v16f* a) {
-    v16f b[8], c[4], d[2];
-    for (int i = 0; i < 8; i++) b[i] = comb8(a[2 * i], a[2 * i + 1]);
-    for (int i = 0; i < 4; i++) c[i] = comb4(b[2 * i], b[2 * i + 1]);
-    for (int i = 0; i < 2; i++) d[i] = comb2(c[2 * i], c[2 * i + 1]);
-    return comb1(d[0], d[1]);
+static inline vf sum8(const vf* a) {
+    vf b[4], c[2];
+    for (int i = 0; i < 4; i++) b[i] = comb4(a[2 * i], a[2 * i + 1]);
+    for (int i = 0; i < 2; i++) c[i] = comb2(b[2 * i], b[2 * i + 1]);
+    return comb1(c[0], c[1]);
 }
 
-/* sc[s] = scale * q . K[s] for s < L; DV = D / 16 vectors per row (0: any D, one by one). */
-#define SCORES(DV)                                                                      \
-    static void scores_##DV(const float* q, const float* K, int L, int D, float scale, float* sc) { \
-        int s = 0;                                                                      \
-        if (DV > 0) {                                                                   \
-            v16f qv[DV > 0 ? DV : 1];                                                   \
-            for (int v = 0; v < DV; v++) qv[v] = vload(q + 16 * v);                      \
-            for (; s + 16 <= L; s += 16) {                                              \
-                v16f acc[16];                                                           \
-                for (int j = 0; j < 16; j++) {                                          \
-                    const float* kr = K + (int64_t)(s + j) * D;                         \
-                    v16f a = qv[0] * vload(kr);                                         \
-                    for (int v = 1; v < DV; v++) a += qv[v] * vload(kr + 16 * v);       \
-                    acc[j] = a;                                                         \
-                }                                                                       \
-                vstore(sc + s, sum16(acc) * scale);                                     \
-            }                                                                           \
+/* Scores of one query against VL consecutive keys (rows of D = VL * DV floats). */
+#define BLOCK_SCORES(DV)                                                                \
+    static inline vf block_scores_##DV(const float* q, const float* K) {               \
+        vf qv[DV], acc[VL];                                                             \
+        _Pragma("GCC unroll 16") for (int v = 0; v < DV; v++) qv[v] = vload(q + VL * v); \
+        _Pragma("GCC unroll 8") for (int j = 0; j < VL; j++) {                          \
+            const float* kr = K + (int64_t)j * VL * DV;                                 \
+            vf a = qv[0] * vload(kr);                                                   \
+            _Pragma("GCC unroll 16") for (int v = 1; v < DV; v++) a += qv[v] * vload(kr + VL * v); \
+            acc[j] = a;                                                                 \
         }                                                                               \
-        for (; s < L; s++) sc[s] = dot(q, K + (int64_t)s * D, D) * scale;               \
+        return sum8(acc);                                                               \
     }
-SCORES(0)
-SCORES(4)
-SCORES(8)
+BLOCK_SCORES(8)
+BLOCK_SCORES(16)
 
-/* o = sum_s p[s] V[s] / sum */
-#define WEIGHTED(DV)                                                                    \
-    static void weighted_##DV(const float* p, const float* V, int L, int D, float inv, float* o) { \
-        if (DV > 0) {                                                                   \
-            v16f acc[DV > 0 ? DV : 1];                                                  \
-            for (int v = 0; v < DV; v++) acc[v] = (v16f){0};                            \
-            for (int s = 0; s < L; s++) {                                               \
-                const float* vr = V + (int64_t)s * D;                                   \
-                for (int v = 0; v < DV; v++) acc[v] += p[s] * vload(vr + 16 * v);       \
-            }                                                                           \
-            for (int v = 0; v < DV; v++) vstore(o + 16 * v, acc[v] * inv);              \
-            return;                                                                     \
-        }                                                                               \
-        for (int d = 0; d < D; d++) o[d] = 0.0f;                                        \
-        for (int s = 0; s < L; s++) {                                                   \
-            const float* vr = V + (int64_t)s * D;                                       \
-            for (int d = 0; d < D; d++) o[d] += p[s] * vr[d];                           \
-        }                                                                               \
-        for (int d = 0; d < D; d++) o[d] *= inv;                                        \
+static inline vf block_scores(const float* q, const float* K, int D) {  /* D % VL == 0 */
+    if (D == 64) return block_scores_8(q, K);
+    if (D == 128) return block_scores_16(q, K);
+    vf acc[VL];
+    for (int j = 0; j < VL; j++) {
+        const float* kr = K + (int64_t)j * D;
+        vf a = {0};
+        for (int d = 0; d < D; d += VL) a += vload(q + d) * vload(kr + d);
+        acc[j] = a;
     }
-WEIGHTED(0)
-WEIGHTED(4)
-WEIGHTED(8)
+    return sum8(acc);
+}
+
+/* o += sum over s < n (n <= VL) of p[s] * V[s] */
+static inline void block_weighted(const float* p, const float* V, int n, int D, float* o) {
+    if (D == 64) {
+        vf a[8];
+        _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) a[v] = vload(o + VL * v);
+        for (int s = 0; s < n; s++) {
+            const float* vr = V + (int64_t)s * 64;
+            const float ps = p[s];
+            _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) a[v] += ps * vload(vr + VL * v);
+        }
+        _Pragma("GCC unroll 8") for (int v = 0; v < 8; v++) vstore(o + VL * v, a[v]);
+        return;
+    }
+    int d = 0;
+    for (; d + VL <= D; d += VL) {
+        vf a = vload(o + d);
+        for (int s = 0; s < n; s++) a += p[s] * vload(V + (int64_t)s * D + d);
+        vstore(o + d, a);
+    }
+    for (; d < D; d++)
+        for (int s = 0; s < n; s++) o[d] += p[s] * V[(int64_t)s * D + d];
+}
+
+/* Softmax of sc[0 .. L) in place (the buffer holds L rounded up to VL); returns 1 / sum. */
+static float softmax_unnormalized(float* sc, int L) {
+    vf mv = (vf){0} - INFINITY;
+    int s = 0;
+    for (; s + VL <= L; s += VL) {
+        vf x = vload(sc + s);
+        mv = vselect(x > mv, x, mv);
+    }
+    float mx = hmax(mv);
+    for (; s < L; s++) mx = sc[s] > mx ? sc[s] : mx;
+    for (s = L; s < ((L + VL - 1) & ~(VL - 1)); s++) sc[s] = mx;  /* pad the last vector */
+    vf sv = {0};
+    for (s = 0; s < L; s += VL) {
+        vf e = vexp(vload(sc + s) - mx);
+        vstore(sc + s, e);
+        if (s + VL <= L) sv += e;
+    }
+    float sum = hsum(sv);
+    for (s = L & ~(VL - 1); s < L; s++) sum += sc[s];
+    return 1.0f / sum;
+}
+
+#define QCHUNK 16  /* the most queries one task runs over a kv head's keys */
 
 /* Attention of B sequences' new tokens over their cached prefixes, with the rotary embedding
  * and the cache write.
@@ -240,13 +263,22 @@ WEIGHTED(8)
  * v into the caches ([slot][kv head][position][D], strides in floats), then each query
  * attends causally to its slot's keys 0 .. its own position (grouped-query: head h reads kv
  * head h / (H / Hkv)). out[N, H * D]. cos_t / sin_t: [max_position, D] tables. max_ctx: the
- * longest context (for the score buffer).
+ * longest context (for the score buffers).
+ *
+ * A task is up to QCHUNK queries of one sequence that share a kv head (its query heads times
+ * its new tokens) and walks that head's keys and values in blocks of VL, every query of the
+ * task per block, so a block is read from memory once and then from L1 rather than once per
+ * query from L2. Tasks are sized so the threads get several each. Whatever the chunk, a
+ * query's keys go through the same code in the same order (VL-key blocks up to its own
+ * length, then one by one), so its result does not depend on the batch.
  */
 void adaptspec_attention(int B, const int* row_start, const int* slots, const int* cache_lens, float* qkv,
                          int ld_qkv, const float* cos_t, const float* sin_t, float* kcache, float* vcache,
                          int64_t slot_stride, int64_t head_stride, int H, int Hkv, int D, float scale,
                          float* out, int max_ctx, int nthreads) {
+    int total_q = 0;
     for (int b = 0; b < B; b++) {
+        total_q += (row_start[b + 1] - row_start[b]) * H;
         for (int t = row_start[b]; t < row_start[b + 1]; t++) {
             const int pos = cache_lens[b] + (t - row_start[b]);
             const float* cs = cos_t + (int64_t)pos * D;
@@ -264,53 +296,63 @@ void adaptspec_attention(int B, const int* row_start, const int* slots, const in
         }
     }
     const int group = H / Hkv;
+    int qc = (total_q + 4 * nthreads - 1) / (4 * nthreads);  /* ~4 tasks per thread */
+    qc = qc < 1 ? 1 : qc > QCHUNK ? QCHUNK : qc;
+    int ntasks = 0;
+    for (int b = 0; b < B; b++) ntasks += Hkv * ((group * (row_start[b + 1] - row_start[b]) + qc - 1) / qc);
+    int* task = malloc(sizeof(int) * 3 * (size_t)(ntasks > 0 ? ntasks : 1));  /* (b, kv head, first query) */
+    ntasks = 0;
+    for (int b = 0; b < B; b++)
+        for (int kh = 0; kh < Hkv; kh++)
+            for (int q0 = 0; q0 < group * (row_start[b + 1] - row_start[b]); q0 += qc) {
+                task[3 * ntasks] = b, task[3 * ntasks + 1] = kh, task[3 * ntasks + 2] = q0;
+                ntasks++;
+            }
+    const int stride = (max_ctx + VL - 1) & ~(VL - 1);
 #pragma omp parallel num_threads(nthreads)
     {
         FLUSH_BEGIN
-        float* sc = malloc(sizeof(float) * ((size_t)max_ctx + 16));
-#pragma omp for schedule(static)
-        for (int task = 0; task < B * H; task++) {
-            const int b = task / H, h = task % H;
-            const int64_t base = (int64_t)slots[b] * slot_stride + (int64_t)(h / group) * head_stride;
+        float* sc = malloc(sizeof(float) * (size_t)qc * stride);
+#pragma omp for schedule(dynamic, 1)
+        for (int ti = 0; ti < ntasks; ti++) {
+            const int b = task[3 * ti], kh = task[3 * ti + 1], q0 = task[3 * ti + 2];
+            const int nt = row_start[b + 1] - row_start[b];
+            const int nq = group * nt - q0 < qc ? group * nt - q0 : qc;
+            const int64_t base = (int64_t)slots[b] * slot_stride + (int64_t)kh * head_stride;
             const float* K = kcache + base;
             const float* V = vcache + base;
-            for (int t = row_start[b]; t < row_start[b + 1]; t++) {
-                const int L = cache_lens[b] + (t - row_start[b]) + 1;  /* keys 0 .. own position */
-                const float* q = qkv + (int64_t)t * ld_qkv + (int64_t)h * D;
-                float* o = out + (int64_t)t * H * D + (int64_t)h * D;
-                if (D == 64)
-                    scores_4(q, K, L, D, scale, sc);
-                else if (D == 128)
-                    scores_8(q, K, L, D, scale, sc);
-                else
-                    scores_0(q, K, L, D, scale, sc);
-                v16f mv = (v16f){0} - INFINITY;
-                int s = 0;
-                for (; s + 16 <= L; s += 16) {
-                    v16f x = vload(sc + s);
-                    v16i gt = x > mv;
-                    mv = (v16f)(((v16i)x & gt) | ((v16i)mv & ~gt));
-                }
-                float mx = hmax(mv);
-                for (; s < L; s++) mx = sc[s] > mx ? sc[s] : mx;
-                for (s = L; s < ((L + 15) & ~15); s++) sc[s] = mx;  /* pad the last vector */
-                v16f sv = {0};
-                for (s = 0; s < L; s += 16) {
-                    v16f e = vexp(vload(sc + s) - mx);
-                    vstore(sc + s, e);
-                    if (s + 16 <= L) sv += e;
-                }
-                float sum = hsum(sv);
-                for (s = L & ~15; s < L; s++) sum += sc[s];
-                if (D == 64)
-                    weighted_4(sc, V, L, D, 1.0f / sum, o);
-                else if (D == 128)
-                    weighted_8(sc, V, L, D, 1.0f / sum, o);
-                else
-                    weighted_0(sc, V, L, D, 1.0f / sum, o);
+            int Lq[QCHUNK], Lmax = 0;
+            const float* qp[QCHUNK];
+            float* op[QCHUNK];
+            float inv[QCHUNK];
+            for (int i = 0; i < nq; i++) {
+                const int g = (q0 + i) / nt, j = (q0 + i) % nt, t = row_start[b] + j, h = kh * group + g;
+                Lq[i] = cache_lens[b] + j + 1;  /* keys 0 .. its own position */
+                Lmax = Lq[i] > Lmax ? Lq[i] : Lmax;
+                qp[i] = qkv + (int64_t)t * ld_qkv + (int64_t)h * D;
+                op[i] = out + (int64_t)t * H * D + (int64_t)h * D;
             }
+            const int blocked = D % VL == 0;
+            for (int s0 = 0; blocked && s0 + VL <= Lmax; s0 += VL)
+                for (int i = 0; i < nq; i++)
+                    if (s0 + VL <= Lq[i])
+                        vstore(sc + (int64_t)i * stride + s0, block_scores(qp[i], K + (int64_t)s0 * D, D) * scale);
+            for (int i = 0; i < nq; i++) {
+                float* si = sc + (int64_t)i * stride;
+                for (int s = blocked ? Lq[i] & ~(VL - 1) : 0; s < Lq[i]; s++) si[s] = dot(qp[i], K + (int64_t)s * D, D) * scale;
+                inv[i] = softmax_unnormalized(si, Lq[i]);
+                memset(op[i], 0, sizeof(float) * D);
+            }
+            for (int s0 = 0; s0 < Lmax; s0 += VL)
+                for (int i = 0; i < nq; i++)
+                    if (s0 < Lq[i])
+                        block_weighted(sc + (int64_t)i * stride + s0, V + (int64_t)s0 * D,
+                                       Lq[i] - s0 < VL ? Lq[i] - s0 : VL, D, op[i]);
+            for (int i = 0; i < nq; i++)
+                for (int d = 0; d < D; d++) op[i][d] *= inv[i];
         }
         free(sc);
         FLUSH_END
     }
+    free(task);
 }
