@@ -10,6 +10,10 @@ after its first rejection are never judged), the mean accepted length, the measu
 ratio c (draft time per drafted position / plain target step time), the analytic bound
 (1 - a^(k+1)) / ((1 - a)(k c + 1)) and efficiency = decode speedup / bound.
 
+The methods of a class run interleaved, chunk of ``batch`` prompts by chunk, the first
+method rotating, so that the machine's speed drifting during a class hits every method
+alike: every ratio below compares runs made minutes apart at most, in turn.
+
 Two speedups: end to end (tokens / wall time, what a user sees for these short 48-token
 answers) and decode (tokens / wall time less each step's prefill part). The bound models
 decode steps only, and prefill is the same work with or without speculation (in bf16 on
@@ -106,9 +110,6 @@ class _StepLog:
     def __call__(self, st: StepStats) -> None:
         self.steps.append(st)
 
-    def decode_steps(self) -> list[StepStats]:
-        return [s for s in self.steps if s.num_prefill == 0 and s.batch_size > 0]
-
 
 def run_bench(cfg: BenchConfig, json_path: str | None = None) -> list[BenchRow]:
     from adaptspec import SpecConfig
@@ -125,8 +126,7 @@ def run_bench(cfg: BenchConfig, json_path: str | None = None) -> list[BenchRow]:
         if d not in ("ngram", "draft"):
             raise ValueError(f"drafters: unknown drafter {d!r} (ngram, draft)")
     rows: list[BenchRow] = []
-    per_class = 1 + len(cfg.ks) * (("ngram" in cfg.drafters) + len(drafts) * ("draft" in cfg.drafters))
-    n_cfg = len(cfg.dtypes) * len(cfg.batches) * len(classes) * per_class
+    n_cfg = len(cfg.dtypes) * len(cfg.batches) * len(classes)  # each class advances by 1
     with Progress(console=con, transient=True) as prog:
         task = prog.add_task("bench", total=n_cfg)
         for dtype in cfg.dtypes:
@@ -140,6 +140,8 @@ def run_bench(cfg: BenchConfig, json_path: str | None = None) -> list[BenchRow]:
                                 EngineConfig(max_num_seqs=max(cfg.batches)))
             assisted = next((d for d in drafts if isinstance(engines[d].draft, LoadedModel)), None)
             hf = _HF(engines[drafts[0]], assisted, dtype, cfg.device) if cfg.hf else None
+            if hf is not None:
+                hf.generate(["warm up"], 8)
             log = _StepLog()
             for e in engines.values():
                 e.step_listeners.append(log)
@@ -182,58 +184,81 @@ def _params(n):
 
 
 def _bench_class(engines, hf, log, ps, cfg, dtype, batch, cls, prog, task) -> list[BenchRow]:
+    """Every method over the class's prompts, interleaved: chunk by chunk (``batch`` prompts),
+    each method runs the chunk in turn, the first method rotating from chunk to chunk, so a
+    change of the machine's speed during the class hits every method alike (on a shared
+    machine it moves by 10-50% within minutes, which one method after the other turned into
+    differences between them)."""
     from adaptspec import SpecConfig
 
     params = _params(cfg.max_new_tokens)
     chunks = [ps[i:i + batch] for i in range(0, len(ps), batch)]
     names = list(engines)
-    engine = engines[names[0]]
+    ours = [("none", 0, names[0])]
+    ours += [("ngram", k, names[0]) for k in cfg.ks] if "ngram" in cfg.drafters else []
+    ours += [("draft", k, d) for d in names for k in cfg.ks] if "draft" in cfg.drafters else []
+    theirs = hf.variants(cfg, batch) if hf is not None else []
+    methods = [("ours", m) for m in ours] + [("hf", m) for m in theirs]
+    done = [{"outs": [], "wall": 0.0, "steps": [], "stats": []} for _ in methods]
+    for ci, ch in enumerate(chunks):
+        order = list(range(len(methods)))
+        order = order[ci % len(order):] + order[:ci % len(order)]
+        for i in order:
+            kind, m = methods[i]
+            log.steps.clear()
+            t = time.perf_counter()
+            if kind == "ours":
+                drafter, k, name = m
+                res = engines[name].generate(ch, params, SpecConfig(drafter, k))
+                outs, stats = [o.token_ids for o in res], [o.stats for o in res]
+            else:
+                outs, stats = hf.generate(ch, cfg.max_new_tokens, **m[2]), []
+            done[i]["wall"] += time.perf_counter() - t
+            done[i]["outs"] += outs
+            done[i]["stats"] += stats
+            done[i]["steps"] += list(log.steps)
+            prog.advance(task, 1 / (len(chunks) * len(methods)))
 
-    def ours(spec):
-        log.steps.clear()
-        t = time.perf_counter()
-        outs = [o for ch in chunks for o in engine.generate(ch, params, spec)]
-        return outs, time.perf_counter() - t
+    def decode_time(steps) -> float:  # every step's wall time less its prefill part (same work in every run)
+        return sum(s.wall_s - s.prefill_s for s in steps)
 
-    def decode_time() -> float:  # every step's wall time less its prefill part (same work in every run)
-        return sum(s.wall_s - s.prefill_s for s in log.steps)
+    def decode_steps(steps):
+        return [s for s in steps if s.num_prefill == 0 and s.batch_size > 0]
 
-    plain_outs, wall = ours(SpecConfig())
-    plain_tokens = [o.token_ids for o in plain_outs]
+    plain = done[0]
+    plain_tokens = plain["outs"]
     n_tok = sum(len(t) for t in plain_tokens)
-    dec = log.decode_steps()
+    dec = decode_steps(plain["steps"])
     t_plain_step = sum(s.wall_s for s in dec) / max(len(dec), 1)
-    base = BenchRow(dtype, batch, cls, "ours-plain", 0, n_tok, wall, n_tok / wall, decode_s=decode_time(),
-                    decode_speedup=1.0)
+    base = BenchRow(dtype, batch, cls, "ours-plain", 0, n_tok, plain["wall"], n_tok / plain["wall"],
+                    decode_s=decode_time(plain["steps"]), decode_speedup=1.0)
     rows = [base]
-    prog.advance(task)
-    runs = [("ngram", None)] * ("ngram" in cfg.drafters) + [("draft", d) for d in names if "draft" in cfg.drafters]
-    for drafter, dname in runs:
-        if dname is not None:
-            engine = engines[dname]
-        for k in cfg.ks:
-            outs, wall = ours(SpecConfig(drafter, k))
-            tok = sum(len(o.token_ids) for o in outs)
-            drafted = sum(o.stats.drafted for o in outs)
-            a = sum(o.stats.accepted for o in outs) / max(drafted, 1)
-            steps = sum(o.stats.steps for o in outs)
-            dec = log.decode_steps()
-            passes = sum(max((r.drafted for r in s.requests), default=0) if drafter == "draft" else 1 for s in dec)
-            c = (sum(s.draft_s for s in dec) / max(passes, 1)) / max(t_plain_step, 1e-9)
-            a_tok = token_acceptance(dec)
-            bound = analytic_bound(a_tok, k, c)
-            speed = (tok / wall) / base.tok_s
-            dec_s = decode_time()
-            dspeed = (tok / dec_s) / (base.tokens / base.decode_s)
-            d1 = sum(o.stats.drafted_per_position[0] for o in outs)
-            alpha = sum(o.stats.accepted_per_position[0] for o in outs) / d1 if d1 else None
-            rows.append(BenchRow(dtype, batch, cls, f"ours-{drafter}", k, tok, wall, tok / wall, speed, a,
-                                 sum(o.stats.emitted for o in outs) / max(steps, 1), c, bound, dspeed / bound,
-                                 [o.token_ids for o in outs] == plain_tokens, dname, alpha, a_tok, dec_s,
-                                 dspeed))
-            prog.advance(task)
-    if hf is not None:
-        rows += hf.run(chunks, cfg, dtype, batch, cls, base, plain_tokens)
+    for (kind, m), res in zip(methods[1:], done[1:]):
+        tok, wall = sum(len(x) for x in res["outs"]), res["wall"]
+        if kind == "hf":
+            name, k, _ = m
+            rows.append(BenchRow(dtype, batch, cls, name, k, tok, wall, tok / wall, (tok / wall) / base.tok_s,
+                                 same_tokens=res["outs"] == plain_tokens,
+                                 draft=hf.draft_name if name == "hf-assisted" else None))
+            continue
+        drafter, k, dname = m
+        st = res["stats"]
+        drafted = sum(x.drafted for x in st)
+        a = sum(x.accepted for x in st) / max(drafted, 1)
+        steps = sum(x.steps for x in st)
+        dec = decode_steps(res["steps"])
+        passes = sum(max((r.drafted for r in s.requests), default=0) if drafter == "draft" else 1 for s in dec)
+        c = (sum(s.draft_s for s in dec) / max(passes, 1)) / max(t_plain_step, 1e-9)
+        a_tok = token_acceptance(dec)
+        bound = analytic_bound(a_tok, k, c)
+        dec_s = decode_time(res["steps"])
+        dspeed = (tok / dec_s) / (base.tokens / base.decode_s)
+        d1 = sum(x.drafted_per_position[0] for x in st)
+        alpha = sum(x.accepted_per_position[0] for x in st) / d1 if d1 else None
+        rows.append(BenchRow(dtype, batch, cls, f"ours-{drafter}", k, tok, wall, tok / wall, (tok / wall) / base.tok_s,
+                             a, sum(x.emitted for x in st) / max(steps, 1), c, bound, dspeed / bound,
+                             res["outs"] == plain_tokens, dname if drafter == "draft" else None, alpha, a_tok, dec_s,
+                             dspeed))
     return rows
 
 
@@ -255,38 +280,31 @@ class _HF:
         self.device = device
         self.eos = engine.tokenizer.eos_token_id
 
-    def _generate(self, chunk, n, **kw):
+    def generate(self, chunk, n, **kw):
         ids = [self.engine.encode(p) for p in chunk]
         width = max(len(x) for x in ids)
-        inp = torch.full((len(ids), width), self.eos, dtype=torch.long)
+        pad = self.eos if self.eos is not None else 0  # a tokenizer without EOS: pad with 0 (masked)
+        inp = torch.full((len(ids), width), pad, dtype=torch.long)
         mask = torch.zeros_like(inp)
         for r, x in enumerate(ids):  # left padding
             inp[r, width - len(x):] = torch.tensor(x)
             mask[r, width - len(x):] = 1
         with torch.inference_mode():
             out = self.target.generate(inp.to(self.device), attention_mask=mask.to(self.device), max_new_tokens=n,
-                                       do_sample=False, pad_token_id=self.eos, **kw)
+                                       do_sample=False, pad_token_id=pad, **kw)
         res = []
         for row in out[:, width:].tolist():
             res.append(row[:row.index(self.eos) + 1] if self.eos in row else row)
         return res
 
-    def run(self, chunks, cfg, dtype, batch, cls, base, plain_tokens) -> list[BenchRow]:
-        variants = [("hf-plain", 0, {})]
+    def variants(self, cfg, batch: int) -> list[tuple[str, int, dict]]:
+        """(method, k, generate() options) of the transformers baselines at this batch size."""
+        out = [("hf-plain", 0, {})]
         if batch == 1:  # transformers' assisted generation runs at batch 1 only
             if self.draft is not None:  # it needs a model draft (a draft head has no transformers form)
-                variants.append(("hf-assisted", 0, {"assistant_model": self.draft}))
-            variants += [("hf-lookup", k, {"prompt_lookup_num_tokens": k}) for k in cfg.ks]
-        rows = []
-        for name, k, kw in variants:
-            t = time.perf_counter()
-            toks = [o for ch in chunks for o in self._generate(ch, cfg.max_new_tokens, **kw)]
-            wall = time.perf_counter() - t
-            n = sum(len(x) for x in toks)
-            rows.append(BenchRow(dtype, batch, cls, name, k, n, wall, n / wall, (n / wall) / base.tok_s,
-                                 same_tokens=toks == plain_tokens,
-                                 draft=self.draft_name if name == "hf-assisted" else None))
-        return rows
+                out.append(("hf-assisted", 0, {"assistant_model": self.draft}))
+            out += [("hf-lookup", k, {"prompt_lookup_num_tokens": k}) for k in cfg.ks]
+        return out
 
 
 def _short(name: str) -> str:

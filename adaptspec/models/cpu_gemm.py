@@ -1,12 +1,22 @@
-"""The small-M CPU matmul (``csrc/small_gemm.c``): build it once, pack weights, call it.
+"""The CPU kernels: build them once, pack weights, call them.
 
-Used by ``LlamaModel`` on the CPU for the few-row products of decoding and verification
-(see the C file for why). The shared library is compiled on first use with the system C
-compiler (``$CC`` or ``cc``; ``-O3 -march=native -fopenmp``, under a second) into
-``$ADAPTSPEC_HOME/ext``, keyed by the source, the flags, the compiler and the CPU, and
-checked against torch on a small product before it is used. Without a compiler, on a
-failed build or check, or with ``ADAPTSPEC_CPU_KERNEL=0``, everything falls back to torch's
-matmul (``status()`` says why).
+Two C files, one shared library:
+
+- ``csrc/small_gemm.c``, the small-M matmul ``LlamaModel`` uses on the CPU for the few-row
+  products of decoding and verification (see the C file for why);
+- ``csrc/layer_ops.c``, the rest of a decoder layer for those steps (residual add +
+  RMSNorm, SwiGLU, and attention with the rotary embedding and the KV-cache write), in
+  fp32: ``LlamaModel._forward_fused`` runs a decode or verification step in three calls per
+  layer besides the matmuls instead of ~45 torch operations. Used for fp32 compute on the
+  CPU whatever the matmul (bf16 models compute in fp32 on the kernel; fp32 models too).
+
+The library is compiled on first use with the system C compiler (``$CC`` or ``cc``; ``-O3
+-march=native -fopenmp``, about two seconds) into ``$ADAPTSPEC_HOME/ext``, keyed by the
+sources, the compiler and the CPU, and checked against torch on small inputs before it is
+used. Without a compiler, on a failed build or check, or with ``ADAPTSPEC_CPU_KERNEL=0``,
+everything falls back to torch (``status()`` says why). ctypes releases the GIL around
+each call, so a step spends most of its time without it (the service's event loop runs
+meanwhile).
 
 Where it is used (``default_matmul``): bfloat16 models on the CPU by default, computed in
 fp32 (weight-only bf16, see ``LlamaModel``); with ``ADAPTSPEC_CPU_KERNEL=all`` float32 models
@@ -205,7 +215,9 @@ def attention(qkv: torch.Tensor, row_start: torch.Tensor, slots: torch.Tensor, c
 
 
 def mode() -> str:
-    """``ADAPTSPEC_CPU_KERNEL``: "0" (off), "bf16" (bf16 models only, the default) or "all"."""
+    """``ADAPTSPEC_CPU_KERNEL``: "0" (no C kernels: torch everywhere), "bf16" (the default:
+    the matmul kernel for bf16 models; the layer ops for every fp32-compute model) or "all"
+    (the matmul kernel for fp32 models too)."""
     v = os.environ.get("ADAPTSPEC_CPU_KERNEL", "bf16").lower()
     if v in ("0", "off", "false", "no"):
         return "0"

@@ -40,3 +40,37 @@ def test_token_acceptance_counts_only_judged_candidates():
     assert token_acceptance([st]) == pytest.approx(3 / 4)
     assert token_acceptance([]) == 0.0
     assert analytic_bound(0.5, 2, 0.1) == pytest.approx((1 + 0.5 + 0.25) / 1.2)
+
+
+def test_bench_interleaves_methods_and_checks_exactness(tiny_dir, tiny_draft_dir, monkeypatch):
+    """`adaptspec bench` end to end on tiny models: every method runs every prompt, the
+    methods take turns chunk by chunk (a slow minute hits them alike), and the greedy
+    speculative rows give the plain tokens."""
+    from adaptspec.engine import bench
+
+    calls = []
+    monkeypatch.setattr(bench, "load_prompts", lambda: {"a": ["t1 t2 t3", "t4 t5", "t6 t7 t8 t9"], "b": ["t2 t2"]})
+    real = bench._HF.generate
+    monkeypatch.setattr(bench._HF, "generate", lambda self, ch, n, **kw: (calls.append(("hf", len(ch))),
+                                                                            real(self, ch, n, **kw))[1])
+    cfg = bench.BenchConfig(target=str(tiny_dir), drafts=[str(tiny_draft_dir)], dtypes=["float32"], batches=[1],
+                            ks=[2], classes=["a"], max_new_tokens=6, prompts_per_class=3)
+    from adaptspec.engine.engine import Engine
+
+    order = []
+    gen = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, ps, params=None, spec=None, **kw: (
+        order.append(spec.drafter if spec else None), gen(self, ps, params, spec, **kw))[1])
+    rows = bench.run_bench(cfg)
+    methods = [(r.method, r.k) for r in rows]
+    assert methods[:3] == [("ours-plain", 0), ("ours-ngram", 2), ("ours-draft", 2)]
+    assert ("hf-plain", 0) in methods and ("hf-assisted", 0) in methods and ("hf-lookup", 2) in methods
+    base = rows[0]
+    for r in rows:
+        assert r.tokens == base.tokens  # the same 3 prompts, ignore_eos: every method makes the same tokens
+    assert all(r.same_tokens for r in rows[1:3])
+    # interleaved: ours ran chunk by chunk, the first method rotating (3 chunks, 3 of our methods)
+    ours = order[1:]  # order[0]: the warm-up
+    assert len(ours) == 9
+    assert ours[:3] == ["none", "ngram", "draft"] and ours[3:6] == ["ngram", "draft", "none"]
+    assert calls == [("hf", 1)] * (1 + 3 * 3)  # the warm-up, then 3 chunks x 3 transformers methods
