@@ -162,7 +162,8 @@ def _self_check() -> str:
 
 
 def _check_layer_ops(g: torch.Generator) -> str:
-    """The layer ops against torch on small shapes (tests/unit/test_layer_ops.py does more)."""
+    """Norm and SwiGLU against torch on small shapes (attention is checked against the torch
+    forward by tests/unit/test_llama_forward.py)."""
     import torch.nn.functional as F
 
     h, d, w = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g), torch.randn(40, generator=g)

@@ -9,6 +9,10 @@ The KV cache is a preallocated tensor per layer, ``[num_slots, num_kv_heads, max
 head_dim]``: one slot per running sequence (padding tokens are never written). The
 *length* of each slot lives with the caller; rolling back after a rejection is only setting
 that length, nothing is copied.
+
+On the CPU in fp32 compute, decode and verification steps (rows of up to
+``FUSED_MAX_TOKENS`` new tokens) take ``_forward_fused``: the same layer with its norms,
+rotary embedding, cache write, attention and SwiGLU in C (``cpu_gemm``, ``csrc/layer_ops.c``).
 """
 from __future__ import annotations
 
@@ -210,7 +214,7 @@ class LlamaModel:
         if ctx > self.max_len:
             raise ValueError(f"context of {ctx} tokens exceeds the KV cache length {self.max_len}")
         if self.fused and max(num_tokens) <= FUSED_MAX_TOKENS:
-            return self._forward_fused(input_ids, slots, cache_lens, num_tokens, logits_rows, inputs_embeds)
+            return self._forward_fused(input_ids, slots, cache_lens, num_tokens, ctx, logits_rows, inputs_embeds)
         lens = torch.tensor(cache_lens, device=dev)  # [B]
         ntok = torch.tensor(num_tokens, device=dev)  # [B]
         t = torch.arange(T, device=dev)
@@ -275,7 +279,7 @@ class LlamaModel:
         flat = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
         return self._mm(flat, self.lm_head), hidden.view(B, T, hidden_p.shape[1])
 
-    def _forward_fused(self, input_ids, slots, cache_lens, num_tokens, logits_rows, inputs_embeds):
+    def _forward_fused(self, input_ids, slots, cache_lens, num_tokens, ctx, logits_rows, inputs_embeds):
         """``forward`` for rows of a few tokens (decoding, verification) on the CPU in fp32:
         the same computation, with everything but the matmuls in three C calls per layer
         (``cpu_gemm.attention`` / ``add_rms_norm`` / ``silu_mul``) instead of ~45 torch
@@ -297,7 +301,6 @@ class LlamaModel:
         row_start = torch.tensor(starts, dtype=torch.int32)
         slots_t = torch.tensor(slots, dtype=torch.int32)
         lens_t = torch.tensor(cache_lens, dtype=torch.int32)
-        ctx = max(l + n for l, n in zip(cache_lens, num_tokens))
         eps, x, delta = c.rms_norm_eps, None, None
         for li, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
             x = cpu_gemm.add_rms_norm(h, delta, ln1, eps, out=x)
