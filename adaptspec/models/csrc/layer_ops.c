@@ -161,7 +161,14 @@ static inline float dot(const float* a, const float* b, int D) {
    vector i's lanes. Three levels, each halving the partial sums per key and doubling the
    keys a vector holds: 7 x (two shuffles + one add) per VL dot products, instead of a
    horizontal sum (a store and 7 scalar adds) for each. */
-#define SHUF __builtin_shufflevector
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_shufflevector) && !defined(ADAPTSPEC_NO_SHUFFLEVECTOR)
+#define SHUF(x, y, ...) __builtin_shufflevector(x, y, __VA_ARGS__)
+#endif
+#endif
+#ifndef SHUF /* GCC before 12 has only its own form */
+#define SHUF(x, y, ...) __builtin_shuffle(x, y, (vi){__VA_ARGS__})
+#endif
 static inline vf comb4(vf x, vf y) {
     return SHUF(x, y, 0, 1, 2, 3, 8, 9, 10, 11) + SHUF(x, y, 4, 5, 6, 7, 12, 13, 14, 15);
 }
