@@ -293,8 +293,8 @@ class LlamaModel:
         if padded:
             flat_idx = torch.tensor([b * T + t for b, n in enumerate(num_tokens) for t in range(n)])
             src = src.index_select(0, flat_idx)
-        h = torch.empty(src.shape, dtype=torch.float32)  # the residual stream, updated in place
-        h.copy_(src)
+        # the residual stream, updated in place by the C calls: a contiguous copy, never the caller's
+        h = src.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         starts = [0]
         for n in num_tokens:
             starts.append(starts[-1] + n)

@@ -94,8 +94,6 @@ static inline vf vexp(vf x) {
     return (vf)((vi)(p * (vf)e) & ~below);
 }
 
-int adaptspec_layer_ops_version(void) { return 2; }
-
 /* out[n] = h[n] / rms(h[n]) * w, and first h[n] += delta[n] when delta is given (the
    residual add that precedes every norm of a layer). N rows of H floats. */
 void adaptspec_add_rms_norm(int N, int H, float* h, const float* delta, const float* w, float eps,
