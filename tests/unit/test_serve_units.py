@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
+import numpy as np
 import pytest
 
 from adaptspec.serve.config import FaultInjection, ServiceConfig
@@ -279,6 +280,17 @@ def test_overhead_is_the_median_of_paired_differences():
     assert s["overhead_p50_s"] == pytest.approx(0.05) and s["outside_engine_p50_s"] == pytest.approx(0.1)
     assert s["inside_engine_p50_s"] == pytest.approx(-0.05) and s["same_tokens"] == 2 and s["requests"] == 3
     assert s["service_e2e_p50_s"] == 2.0 and s["engine_e2e_p50_s"] == 1.95
+    lo, hi = s["overhead_p50_ci95_s"]
+    assert lo == pytest.approx(0.05) and hi == pytest.approx(0.05)  # every pair the same difference
+
+    # the interval says whether a run settles the verdict: 200 noisy pairs around 5 ms put it
+    # inside (0, 10 ms); 6 pairs of the same noise (negative control) cannot exclude 10 ms
+    rng = np.random.default_rng(1)
+    many = [OverheadPair(0.5 + d, 0.5, 0.5, True) for d in rng.normal(0.005, 0.02, 200)]
+    lo, hi = overhead_summary(many, 8)["overhead_p50_ci95_s"]
+    assert 0.0 < lo < 0.005 < hi < 0.01
+    lo, hi = overhead_summary(many[:6], 8)["overhead_p50_ci95_s"]
+    assert lo <= overhead_summary(many[:6], 8)["overhead_p50_s"] <= hi and hi - lo > 0.01 and hi > 0.01
 
     calls = []  # both paths get the same prompts, in alternating order
     client = SimpleNamespace(generate=lambda p, **kw: calls.append(("svc", p, kw["max_tokens"], kw["ignore_eos"]))
