@@ -283,15 +283,17 @@ def loadtest(
                 c.update_policy(deployed)
             if overhead:
                 over = _overhead(c, overhead, overhead_reps, max_tokens, config, target, torch_threads)
+                ci = {k: " to ".join(f"{x * 1e3:.1f}" for x in over[f"{k}_p50_ci95_s"])
+                      for k in ("overhead", "inside_engine")}
                 console.print(
                     f"overhead (gRPC + Serve over the in-process engine, {over['requests']} paired requests of "
                     f"{max_tokens} tokens): p50 {over['overhead_p50_s'] * 1e3:.1f} ms (95% interval "
-                    f"{over['overhead_p50_ci95_s'][0] * 1e3:.1f} to {over['overhead_p50_ci95_s'][1] * 1e3:.1f}), p90 "
+                    f"{ci['overhead']}), p90 "
                     f"{over['overhead_p90_s'] * 1e3:.1f} ms, ratio p50 {over['ratio_p50']:.3f} (service "
                     f"{over['service_e2e_p50_s'] * 1e3:.1f} ms, engine {over['engine_e2e_p50_s'] * 1e3:.1f} ms); "
                     f"outside the replica's engine {over['outside_engine_p50_s'] * 1e3:.1f} ms, inside "
-                    f"{over['inside_engine_p50_s'] * 1e3:.1f} ms (95% interval "
-                    f"{over['inside_engine_p50_ci95_s'][0] * 1e3:.1f} to {over['inside_engine_p50_ci95_s'][1] * 1e3:.1f}); same tokens {over['same_tokens']}/{over['requests']}; "
+                    f"{over['inside_engine_p50_s'] * 1e3:.1f} ms (95% interval {ci['inside_engine']}); "
+                    f"same tokens {over['same_tokens']}/{over['requests']}; "
                     f"a Health/Check round trip (the path without engine work) p50 "
                     f"{over['health_check_p50_s'] * 1e3:.1f} ms")
     finally:

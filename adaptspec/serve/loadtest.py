@@ -199,11 +199,11 @@ def measure_overhead(client: Client, engine, prompts: list[str], max_tokens: int
     both produce exactly ``max_tokens``, the same fixed arm, one request at a time), and the
     order alternates, so drift in machine load hits both sides alike. Reported: p50 of each
     side, p50 of the per-pair differences (the overhead, with a 95% bootstrap interval) and of
-    the ratios, and the split of
-    the difference into time outside the replica's engine (gRPC, proxy, Serve's hop: client
-    wall minus the engine time the response reports) and time inside it (the engine running
-    slower in the replica than here). ``health_checks`` > 0 also times that many
-    ``Health/Check`` calls: the same gRPC, proxy and Serve path with no engine work.
+    the ratios, and the split of the difference into time outside the replica's engine (gRPC,
+    proxy, Serve's hop: client wall minus the engine time the response reports) and time
+    inside it (the engine running slower in the replica than here; with its interval too).
+    ``health_checks`` > 0 also times that many ``Health/Check`` calls: the same gRPC, proxy
+    and Serve path with no engine work.
     """
     from adaptspec import SamplingParams, SpecConfig
 
