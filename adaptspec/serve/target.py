@@ -41,6 +41,7 @@ class TargetEngine(Ingress):
         threads = cfg.engine.torch_threads or max(1, int(cfg.target.num_cpus or 1))
         torch.set_num_threads(threads)
         draft = cfg.models.draft if cfg.placement == "colocated" else None
+        _warn_slow_bf16(cfg)
         engine = await asyncio.to_thread(
             Engine.from_pretrained, cfg.models.target, draft=draft, dtype=cfg.models.dtype,
             device=cfg.models.device, max_num_seqs=cfg.engine.max_num_seqs, max_model_len=cfg.engine.max_model_len)
@@ -110,6 +111,18 @@ class TargetEngine(Ingress):
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
+
+
+def _warn_slow_bf16(cfg: ServiceConfig) -> None:
+    """bf16 on the CPU is fast only on the C kernel (weight-only bf16, fp32 compute)."""
+    if cfg.models.dtype != "bfloat16" or not cfg.models.device.startswith("cpu"):
+        return
+    from adaptspec.models import cpu_gemm
+
+    if not cpu_gemm.enabled():
+        log.warning("models.dtype is bfloat16 but the CPU kernel is off (%s): bf16 runs on torch, slower "
+                    "than float32 on most CPUs; set models.dtype: float32 or install a C compiler",
+                    cpu_gemm.status())
 
 
 def _delta(cls: str):

@@ -299,6 +299,7 @@ def test_smollm_end_to_end(service, smollm_engine):
 
     cfg = ServiceConfig.model_validate({
         "app_name": "smollm", "grpc_port": GRPC_PORT, "http_port": HTTP_PORT, "target": {"num_cpus": 0},
+        "models": {"dtype": "float32"},  # token for token against the fp32 reference engine
         "engine": {"max_num_seqs": 4, "max_model_len": 1024, "torch_threads": 1},
         "controller": {"report_interval_s": 0.1}})
     serve.run(app.build_app(cfg), name="smollm", route_prefix="/smollm")

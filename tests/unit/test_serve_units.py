@@ -301,3 +301,19 @@ def test_overhead_is_the_median_of_paired_differences():
     assert out["requests"] == 4 and out["same_tokens"] == 4
     assert [c[0] for c in calls] == ["svc", "eng", "eng", "svc", "eng", "svc", "svc", "eng"]
     assert {c[1:] for c in calls} == {("p", 8, True), ("q", 8, True)}
+
+
+def test_bf16_on_a_cpu_without_the_kernel_warns(monkeypatch, caplog):
+    from adaptspec.models import cpu_gemm
+    from adaptspec.serve.target import _warn_slow_bf16
+
+    monkeypatch.setattr(cpu_gemm, "enabled", lambda: False)
+    with caplog.at_level("WARNING", logger="adaptspec.serve.target"):
+        _warn_slow_bf16(ServiceConfig.model_validate({"models": {"dtype": "bfloat16"}}))
+        _warn_slow_bf16(ServiceConfig())  # the default, float32
+        _warn_slow_bf16(ServiceConfig.model_validate({"models": {"dtype": "bfloat16", "device": "cuda"}}))
+    assert len(caplog.records) == 1 and "models.dtype: float32" in caplog.records[0].getMessage()
+    caplog.clear()
+    monkeypatch.setattr(cpu_gemm, "enabled", lambda: True)
+    _warn_slow_bf16(ServiceConfig.model_validate({"models": {"dtype": "bfloat16"}}))
+    assert not caplog.records
