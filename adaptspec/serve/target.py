@@ -121,8 +121,8 @@ def _warn_slow_bf16(cfg: ServiceConfig) -> None:
 
     if not cpu_gemm.enabled():
         log.warning("models.dtype is bfloat16 but the CPU kernel is off (%s): bf16 runs on torch, slower "
-                    "than float32 on most CPUs; set models.dtype: float32 or install a C compiler",
-                    cpu_gemm.status())
+                    "than float32 on CPUs without native bf16 arithmetic (the project's test box: "
+                    "README.md); set models.dtype: float32 or install a C compiler", cpu_gemm.status())
 
 
 def _delta(cls: str):
