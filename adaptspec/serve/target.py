@@ -41,10 +41,10 @@ class TargetEngine(Ingress):
         threads = cfg.engine.torch_threads or max(1, int(cfg.target.num_cpus or 1))
         torch.set_num_threads(threads)
         draft = cfg.models.draft if cfg.placement == "colocated" else None
-        _warn_slow_bf16(cfg)
         engine = await asyncio.to_thread(
             Engine.from_pretrained, cfg.models.target, draft=draft, dtype=cfg.models.dtype,
             device=cfg.models.device, max_num_seqs=cfg.engine.max_num_seqs, max_model_len=cfg.engine.max_model_len)
+        _warn_slow_bf16(cfg)  # after the load: it built or loaded the kernel off the event loop
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # local testing mode
