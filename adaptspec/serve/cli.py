@@ -237,6 +237,9 @@ def loadtest(
                                                       "embedded one) in this process, and stop it at the end: "
                                                       "one command, and the overhead baseline shares the "
                                                       "service's CPU scheduling group"),
+    probes: int = typer.Option(0, help="keep this many clients calling Health/Check (as Kubernetes probes and "
+                                       "monitoring do) from another process throughout: Serve work in the "
+                                       "replica next to its engine"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write results to this JSON file"),
 ) -> None:
     """Closed-loop load on loopback gRPC: TTFT, TPOT, E2E p50/p99, throughput, goodput, arms."""
@@ -244,13 +247,13 @@ def loadtest(
     from rich.table import Table
 
     from adaptspec.serve.client import Client
-    from adaptspec.serve.loadtest import LoadSpec, as_json, run_level, summarize, top_arm
+    from adaptspec.serve.loadtest import LoadSpec, Probes, as_json, run_level, summarize, top_arm
 
     console = Console()
     spec = LoadSpec([c for c in classes.split(",") if c], max_tokens, slo_ttft, slo_tpot)
     levels = [int(x) for x in concurrency.split(",") if x]
     results = []
-    over = None
+    over = probed = bg = None
     if start:
         from adaptspec.serve.config import load_config
 
@@ -260,6 +263,7 @@ def loadtest(
         with Client(address, app_name) as c:
             c.wait_ready(30)
             deployed = c.policy().policy
+            bg = Probes(address, app_name, probes)
             pols = [] if overhead_only else [p for p in policies.split(",") if p] or [deployed]
             for n in levels if pols else []:
                 # rounds interleave the policies (order reversed every other round), so drift in
@@ -296,7 +300,13 @@ def loadtest(
                     f"same tokens {over['same_tokens']}/{over['requests']}; "
                     f"a Health/Check round trip (the path without engine work) p50 "
                     f"{over['health_check_p50_s'] * 1e3:.1f} ms")
+        probed = bg.stop()
+        if probed:
+            console.print(f"probes: {probed['clients']} clients, {probed['calls_per_s']:.0f} Health/Check "
+                          f"calls/s in the background, {probed['errors']} errors")
     finally:
+        if bg is not None:
+            bg.stop()
         if start:
             from adaptspec.serve import app as serve_app
 
@@ -304,7 +314,7 @@ def loadtest(
     if overhead_only:
         if json_path:
             with open(json_path, "w") as f:
-                f.write(as_json([], over))
+                f.write(as_json([], over, probed))
         return
     t = Table(title="loadtest")
     for col in ("policy", "conc.", "req", "err", "tok/s", "goodput req/s", "TTFT p50/p99", "TPOT p50/p99",
@@ -320,7 +330,7 @@ def loadtest(
         console.print(line)
     if json_path:
         with open(json_path, "w") as f:
-            f.write(as_json(results, over))
+            f.write(as_json(results, over, probed))
         console.print(f"wrote {json_path}")
 
 

@@ -58,6 +58,11 @@ class EngineOptions(_Strict):
     max_queued: int = Field(64, ge=0, description="requests waiting for a KV slot per replica before "
                                                   "RESOURCE_EXHAUSTED")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; null: num_cpus of the replica")
+    isolation: Literal["auto", "process", "thread"] = Field(
+        "auto", description="where a replica runs its engine: `process` (an engine process of its own next to the "
+                            "replica, so Serve's request handling never holds the engine thread's GIL), `thread` (a "
+                            "thread of the replica's process) or `auto` (process, but thread for the disaggregated "
+                            "placement, whose draft proposer calls Drafter replicas through the replica's handles)")
 
 
 class TargetDeployment(_Strict):
@@ -161,7 +166,17 @@ class ServiceConfig(_Strict):
             raise ValueError(f"placement: models.draft {self.models.draft!r} is a draft head, which drafts from the "
                              "target's hidden states and runs colocated only (disaggregated heads are not built "
                              "yet); use placement: colocated or an independent draft model")
+        if self.placement == "disaggregated" and self.engine.isolation == "process":
+            raise ValueError("engine.isolation: process is not available with placement: disaggregated (the draft "
+                             "proposer calls Drafter replicas through the replica's Ray handles); use thread or auto")
         return self
+
+    @property
+    def engine_isolation(self) -> str:
+        """``engine.isolation`` with ``auto`` resolved."""
+        if self.engine.isolation != "auto":
+            return self.engine.isolation
+        return "thread" if self.placement == "disaggregated" else "process"
 
     @property
     def class_names(self) -> list[str]:

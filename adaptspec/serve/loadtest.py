@@ -10,10 +10,18 @@ in it (throughput), requests that finished in it (latency percentiles, goodput: 
 meeting the TTFT and TPOT SLOs, arms). Load is steady across the window's edges (the
 warm-up's clients keep going), and a request in flight at the end counts the tokens it got,
 so a run's throughput does not hang on how its last few requests happened to fall.
+
+``Probes``: background clients, in a process of their own, that keep calling
+``Health/Check`` (what Kubernetes probes and monitoring do to a live service): Serve work
+in the replica, next to the engine, while the load or the overhead is measured.
 """
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -279,5 +287,65 @@ def overhead_summary(pairs: list[OverheadPair], max_tokens: int) -> dict:
     }
 
 
-def as_json(levels: list[LevelSummary], overhead: dict | None = None) -> str:
-    return json.dumps({"levels": [asdict(x) for x in levels], "overhead": overhead}, indent=2)
+def as_json(levels: list[LevelSummary], overhead: dict | None = None, probes: dict | None = None) -> str:
+    return json.dumps({"levels": [asdict(x) for x in levels], "overhead": overhead, "probes": probes}, indent=2)
+
+
+class Probes:
+    """``clients`` closed-loop ``Health/Check`` callers in a child process (so they take
+    nothing from this process's GIL, where the overhead's in-process engine runs); ``stop()``
+    returns ``{"clients", "seconds", "calls", "calls_per_s", "errors"}``."""
+
+    def __init__(self, address: str, app_name: str, clients: int):
+        self.clients = clients
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, "-m", "adaptspec.serve.loadtest", "--probe", address, app_name,
+                                      str(clients)], stdout=subprocess.PIPE, text=True) if clients > 0 else None
+
+    def stop(self) -> dict | None:
+        """Idempotent: the first call stops the child and returns its counts."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return None
+        seconds = time.perf_counter() - self.t0
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = proc.communicate(timeout=30)
+            calls, errors = (int(x) for x in out.split()[-2:])
+        except (subprocess.TimeoutExpired, ValueError):
+            proc.kill()
+            calls = errors = -1
+        return {"clients": self.clients, "seconds": seconds, "calls": calls, "errors": errors,
+                "calls_per_s": calls / seconds if calls >= 0 and seconds > 0 else 0.0}
+
+
+def _probe_main(address: str, app_name: str, clients: int) -> None:
+    counts = [[0, 0] for _ in range(clients)]
+    stop = threading.Event()
+
+    def run(i: int) -> None:
+        with Client(address, app_name) as c:
+            while not stop.is_set():
+                try:
+                    c.health(timeout=10)
+                    counts[i][0] += 1
+                except Exception:
+                    counts[i][1] += 1
+                    time.sleep(0.05)
+
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    parent = os.getppid()
+    while not stop.wait(0.2):
+        if os.getppid() != parent:  # the load generator is gone
+            break
+    stop.set()
+    for t in threads:
+        t.join(timeout=10)
+    print(sum(c[0] for c in counts), sum(c[1] for c in counts), flush=True)
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["--probe"]:
+    _probe_main(sys.argv[2], sys.argv[3], int(sys.argv[4]))

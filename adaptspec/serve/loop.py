@@ -1,27 +1,34 @@
-"""The engine in a background thread, shared by many asyncio callers. Ray-free.
+"""The engine on a thread of its own, shared by many asyncio callers. Ray-free.
 
-The engine is not thread-safe, so only the engine thread touches it: callers post
-commands (add, abort) to an inbox that the thread drains between steps, and the thread
-hands each request's outputs back to the caller's event loop. Before every step the
-thread sets each request's arm from the latest ``PolicySnapshot`` (a plain attribute read;
-no RPC per token).
+The engine is not thread-safe, so only one thread touches it: ``EngineCore``'s. Callers
+post commands (add, abort) to its inbox, which it drains between steps, and it hands each
+request's outputs back through a sink. Before every step it sets each request's arm from
+the latest ``PolicySnapshot`` (a plain attribute read; no RPC per token).
 
-Async-generator rules of ``EngineLoop.generate`` (the engine protocol the deployment uses):
-the first item is either an ``EngineChunk`` with ``error`` set (the request was refused:
-nothing runs) or the first tokens (for a unary request, ``stream`` false, only the final
-chunk, carrying every token: the engine thread posts nothing before it); the last item has
-``finished=True``; if the consumer
-stops iterating (cancel, deadline, disconnect) the request is aborted and its KV slot
-freed before the next step.
+Two caller sides share ``generate`` and its rules (``_Callers``):
+
+- ``EngineLoop``: the core runs in this process (tests, the Ray-free engine loop, and the
+  replica when ``engine.isolation`` is ``thread``);
+- ``ProcessEngineLoop`` (``adaptspec/serve/engine_proc.py``): the core runs in an engine
+  process of its own next to the replica, so the replica's Python (Serve's request
+  handling, metrics, the controller report) never waits on, or makes wait, the engine
+  thread for the GIL.
+
+Async-generator rules of ``generate`` (the engine protocol the deployment uses): the first
+item is either an ``EngineChunk`` with ``error`` set (the request was refused: nothing
+runs) or the first tokens (for a unary request, ``stream`` false, only the final chunk,
+carrying every token: the engine posts nothing before it); the last item has
+``finished=True``; if the consumer stops iterating (cancel, deadline, disconnect) the
+request is aborted and its KV slot freed before the next step.
 """
 from __future__ import annotations
 
 import asyncio
 import collections
 import copy
+import dataclasses
 import logging
 import threading
-import time
 from dataclasses import dataclass
 
 from adaptspec.control.types import Arm
@@ -33,67 +40,197 @@ from adaptspec.serve.types import (
 log = logging.getLogger(__name__)
 
 
+# ---- the engine side ----------------------------------------------------------------------
+@dataclass(slots=True)
+class _Meta:
+    request_class: str
+    fixed_arm: bool
+    text_deltas: bool
+
+
+class EngineCore:
+    """Owns the engine and its thread. ``sink`` receives, on that thread:
+    ``admitted(request_id, error_or_None)`` once per added request, ``deliver(chunks)`` after
+    every step (the chunks to hand out; may be empty) and ``after_commands()`` after a drain
+    of the inbox that changed something."""
+
+    def __init__(self, engine, sink, *, faults_fn=None):
+        self.engine = engine
+        self.sink = sink
+        self.snapshot = PolicySnapshot()
+        self.drafters = ("none", *engine.proposers)
+        self.step_stats: collections.deque = collections.deque(maxlen=100_000)
+        self.finished: collections.deque = collections.deque(maxlen=100_000)  # (class, reason, tokens)
+        self._faults_fn = faults_fn or (lambda: 0)
+        self._inbox: collections.deque = collections.deque()
+        self._wake = threading.Event()
+        self._meta: dict[str, _Meta] = {}
+        self._stop = False
+        engine.step_listeners.append(self.step_stats.append)
+        self._thread = threading.Thread(target=self._run, name="adaptspec-engine", daemon=True)
+
+    def start(self) -> EngineCore:
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and not self._stop
+
+    def post(self, cmd: tuple) -> None:
+        """("add", EngineRequest) or ("abort", request_id); any thread."""
+        self._inbox.append(cmd)
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stop = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def state(self) -> ReplicaState:
+        """The engine's side of the replica's state (``replica_id`` and ``in_flight`` are the caller's)."""
+        eng = self.engine
+        last = eng.last_step
+        return ReplicaState("", batch_size=last.batch_size if last else 0,
+                            num_waiting=last.num_waiting if last else 0, steps=eng.step_count,
+                            drafter_faults=self._faults_fn(), verify_tokens=last.verify_tokens if last else 0,
+                            context_tokens=last.context_tokens if last else 0,
+                            free_slots=len(eng.scheduler.free_slots))
+
+    def _run(self) -> None:
+        eng = self.engine
+        while not self._stop:
+            if self._drain_inbox():
+                self.sink.after_commands()
+            if not eng.has_unfinished():
+                self._wake.wait(0.1)
+                self._wake.clear()
+                continue
+            self._apply_arms()
+            try:
+                outs = eng.step()
+            except Exception as exc:  # an engine bug: fail every live request, never lose one
+                log.exception("engine step failed")
+                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                continue
+            self.sink.deliver([c for c in map(self._chunk, outs) if c is not None])
+
+    def _drain_inbox(self) -> bool:
+        changed = False
+        while self._inbox:
+            changed = True
+            op, a = self._inbox.popleft()
+            if op == "add":
+                req: EngineRequest = a
+                err = None
+                try:
+                    spec = _spec(req.arm or self.snapshot.arm_for(req.request_class), self.drafters)
+                    # tokenized here: the tokenizer is not safe to share across threads
+                    self.engine.add_request(req.prompt_token_ids or req.prompt, req.params, spec,
+                                            request_id=req.request_id, request_class=req.request_class,
+                                            raw=req.raw)
+                    self._meta[req.request_id] = _Meta(req.request_class, req.arm is not None, req.stream)
+                except ValueError as exc:
+                    err = str(exc)
+                self.sink.admitted(req.request_id, err)
+            elif op == "abort":
+                if self._meta.pop(a, None) is not None:
+                    self.engine.abort(a)
+        return changed
+
+    def _apply_arms(self) -> None:
+        snap = self.snapshot
+        for rid, seq in self.engine.requests.items():
+            meta = self._meta.get(rid)
+            if meta is None or meta.fixed_arm:
+                continue
+            arm = snap.arm_for(seq.request_class)
+            if seq.spec.drafter != arm.drafter or seq.spec.k != arm.k:
+                seq.spec = _spec(arm, self.drafters)
+
+    def _chunk(self, out) -> EngineChunk | None:
+        meta = self._meta.get(out.request_id)
+        if meta is None or not (out.finished or meta.text_deltas):
+            return None  # unary: only the final chunk wakes the caller, with every token
+        new_ids = out.new_token_ids if meta.text_deltas else out.token_ids
+        chunk = EngineChunk(out.request_id, list(new_ids), finished=out.finished,
+                            finish_reason=out.finish_reason or "", prompt_tokens=len(out.prompt_token_ids),
+                            completion_tokens=len(out.token_ids))
+        if out.finished:
+            del self._meta[out.request_id]
+            self.finished.append((meta.request_class, chunk.finish_reason, chunk.completion_tokens))
+            chunk.text = out.text  # the whole text; generate() turns it into the last delta when streaming
+            chunk.all_token_ids = list(out.token_ids)
+            st = out.stats
+            if st is not None:
+                chunk.drafted, chunk.accepted, chunk.steps = st.drafted, st.accepted, st.steps
+                chunk.mean_accepted_length = st.mean_accepted_length
+                chunk.arms = dict(st.arms)
+            chunk.ttft_s, chunk.e2e_s = out.ttft_s or 0.0, out.e2e_s or 0.0
+        return chunk
+
+    def _fail_all(self, message: str) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+        rids, self._meta = list(self._meta), {}
+        self.sink.deliver([_failed(rid, message) for rid in rids])
+
+
+# ---- the callers' side ----------------------------------------------------------------------
 @dataclass(slots=True)
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue
-    request_class: str
-    fixed_arm: bool
+    admitted: asyncio.Future
     text_deltas: bool
     text: str = ""
 
 
-class EngineLoop:
-    def __init__(self, engine, *, max_queued: int, replica_id: str = "local", faults_fn=None):
-        self.engine = engine
-        self.max_in_flight = engine.config.max_num_seqs + max_queued
-        self.replica_id = replica_id
-        self.snapshot = PolicySnapshot()
-        self._faults_fn = faults_fn or (lambda: 0)
-        self._inbox: collections.deque = collections.deque()
-        self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
-        self._step_stats: collections.deque = collections.deque(maxlen=100_000)
-        self._finished: collections.deque = collections.deque(maxlen=100_000)  # (class, reason, tokens)
-        self._stop = False
-        self._lock = threading.Lock()  # guards _streams (admission count)
-        self._drafters = ("none", *engine.proposers)
-        self._detok = copy.deepcopy(engine.tokenizer)  # the engine thread owns engine.tokenizer
-        engine.step_listeners.append(self._step_stats.append)
-        self._thread = threading.Thread(target=self._run, name="adaptspec-engine", daemon=True)
-        self._thread.start()
+class _Callers:
+    """``generate`` and the delivery to callers' event loops; subclasses post to a core."""
 
-    # ---- caller side (any event loop) -----------------------------------------------------
-    @property
-    def alive(self) -> bool:
-        return self._thread.is_alive() and not self._stop
+    def __init__(self, *, drafters: tuple[str, ...], max_in_flight: int, replica_id: str, detok):
+        self.drafters = drafters
+        self.max_in_flight = max_in_flight
+        self.replica_id = replica_id
+        self._detok = detok  # a tokenizer for text deltas, used on the callers' event loops
+        self._streams: dict[str, _Stream] = {}
+        self._lock = threading.Lock()  # guards _streams (admission count) and _dead
+        self._dead: str | None = None  # why the engine is gone (no request can be admitted)
+        self._step_stats: collections.deque = collections.deque(maxlen=100_000)
+        self._finished: collections.deque = collections.deque(maxlen=100_000)
 
     @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    def _post(self, cmd: tuple) -> None:
+        raise NotImplementedError
+
     async def generate(self, req: EngineRequest):
-        if req.arm is not None and req.arm.drafter not in self._drafters:
+        if req.arm is not None and req.arm.drafter not in self.drafters:
             yield _error(req, INVALID_ARGUMENT, f"speculation.drafter: {req.arm.drafter!r} is not available here "
-                                                f"(drafters: {', '.join(self._drafters)})")
+                                                f"(drafters: {', '.join(self.drafters)})")
             return
         loop = asyncio.get_running_loop()
+        refused = None
         with self._lock:
-            if len(self._streams) >= self.max_in_flight:
-                full = True
+            if self._dead is not None:
+                refused = _error(req, INTERNAL, self._dead)
+            elif len(self._streams) >= self.max_in_flight:
+                refused = _error(req, RESOURCE_EXHAUSTED, f"queue full: {self.max_in_flight} requests in flight on "
+                                                          f"replica {self.replica_id}; retry later")
             else:
-                full = False
-                stream = _Stream(loop, asyncio.Queue(), req.request_class, req.arm is not None, req.stream)
+                stream = _Stream(loop, asyncio.Queue(), loop.create_future(), req.stream)
                 self._streams[req.request_id] = stream
-        if full:
-            yield _error(req, RESOURCE_EXHAUSTED, f"queue full: {self.max_in_flight} requests in flight on replica "
-                                                  f"{self.replica_id}; retry later")
+        if refused is not None:
+            yield refused
             return
-        admitted = loop.create_future()
-        self._post(("add", req, None, admitted))
+        self._post(("add", req))
         finished = False
         try:
-            err = await admitted
+            err = await stream.admitted
             if err is not None:
                 yield _error(req, INVALID_ARGUMENT, _field_message(err))
                 return
@@ -101,7 +238,7 @@ class EngineLoop:
             while True:
                 chunk: EngineChunk = await stream.queue.get()
                 finished = chunk.finished
-                if req.stream:  # text deltas here, off the engine thread, with our own tokenizer copy
+                if req.stream and chunk.error is None:  # text deltas here, off the engine thread
                     ids += chunk.token_ids
                     self._text_delta(stream, chunk, ids)
                 yield chunk
@@ -109,7 +246,7 @@ class EngineLoop:
                     return
         finally:
             if not finished:  # cancelled, deadline passed, consumer gone, or refused
-                self._post(("abort", req.request_id, None, None))
+                self._post(("abort", req.request_id))
             with self._lock:
                 self._streams.pop(req.request_id, None)
 
@@ -122,111 +259,66 @@ class EngineLoop:
             chunk.text = ""
 
     def take_step_stats(self) -> list:
-        out = []
-        while self._step_stats:
-            out.append(self._step_stats.popleft())
-        return out
+        return _drain(self._step_stats)
 
     def take_finished(self) -> list[tuple[str, str, int]]:
-        out = []
-        while self._finished:
-            out.append(self._finished.popleft())
-        return out
+        return _drain(self._finished)
+
+    # the sink's calls that reach callers (engine thread or the engine process's reader)
+    def admitted(self, request_id: str, err: str | None) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(_set_result, stream.admitted, err)
+
+    def deliver(self, chunks: list[EngineChunk]) -> None:
+        for chunk in chunks:
+            stream = self._streams.get(chunk.request_id)
+            if stream is not None:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
+
+    def after_commands(self) -> None:
+        pass
+
+    def _engine_gone(self, why: str) -> None:
+        """Every caller gets an INTERNAL error; later requests are refused with it."""
+        with self._lock:
+            self._dead = why
+            streams = list(self._streams.items())
+        for rid, stream in streams:
+            stream.loop.call_soon_threadsafe(_fail_stream, stream, _failed(rid, why))
+
+
+class EngineLoop(_Callers):
+    """The engine core on a thread of this process."""
+
+    def __init__(self, engine, *, max_queued: int, replica_id: str = "local", faults_fn=None):
+        self.engine = engine
+        super().__init__(drafters=("none", *engine.proposers), max_in_flight=engine.config.max_num_seqs + max_queued,
+                         replica_id=replica_id, detok=copy.deepcopy(engine.tokenizer))
+        self.core = EngineCore(engine, self, faults_fn=faults_fn)
+        self._step_stats, self._finished = self.core.step_stats, self.core.finished
+        self.core.start()
+
+    @property
+    def snapshot(self) -> PolicySnapshot:
+        return self.core.snapshot
+
+    @snapshot.setter
+    def snapshot(self, snap: PolicySnapshot) -> None:
+        self.core.snapshot = snap
+
+    @property
+    def alive(self) -> bool:
+        return self.core.alive
 
     def state(self) -> ReplicaState:
-        last = self.engine.last_step
-        return ReplicaState(self.replica_id, batch_size=last.batch_size if last else 0,
-                            num_waiting=last.num_waiting if last else 0, steps=self.engine.step_count,
-                            drafter_faults=self._faults_fn(),
-                            verify_tokens=last.verify_tokens if last else 0,
-                            context_tokens=last.context_tokens if last else 0,
-                            in_flight=len(self._streams), free_slots=len(self.engine.scheduler.free_slots))
+        return dataclasses.replace(self.core.state(), replica_id=self.replica_id, in_flight=len(self._streams))
 
     def stop(self) -> None:
-        self._stop = True
-        self._wake.set()
-        self._thread.join(timeout=10)
+        self.core.stop()
 
-    def _post(self, cmd) -> None:
-        self._inbox.append(cmd)
-        self._wake.set()
-
-    # ---- engine thread -----------------------------------------------------------------
-    def _run(self) -> None:
-        eng = self.engine
-        while not self._stop:
-            self._drain_inbox()
-            if not eng.has_unfinished():
-                self._wake.wait(0.1)
-                self._wake.clear()
-                continue
-            self._apply_arms()
-            try:
-                outs = eng.step()
-            except Exception as exc:  # an engine bug: fail every live request, never lose one
-                log.exception("engine step failed")
-                self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
-                continue
-            for out in outs:
-                self._deliver(out)
-
-    def _drain_inbox(self) -> None:
-        while self._inbox:
-            op, a, b, fut = self._inbox.popleft()
-            if op == "add":
-                req: EngineRequest = a
-                stream = self._streams.get(req.request_id)
-                if stream is None:  # the caller went away before admission
-                    continue
-                err = None
-                try:
-                    spec = _spec(req.arm or self.snapshot.arm_for(req.request_class), self._drafters)
-                    # tokenized here: the tokenizer is not safe to share across threads
-                    self.engine.add_request(req.prompt_token_ids or req.prompt, req.params, spec,
-                                            request_id=req.request_id, request_class=req.request_class,
-                                            raw=req.raw)
-                except ValueError as exc:
-                    err = str(exc)
-                stream.loop.call_soon_threadsafe(_set_result, fut, err)
-            elif op == "abort":
-                self.engine.abort(a)
-
-    def _apply_arms(self) -> None:
-        snap = self.snapshot
-        for rid, seq in self.engine.requests.items():
-            stream = self._streams.get(rid)
-            if stream is None or stream.fixed_arm:
-                continue
-            arm = snap.arm_for(seq.request_class)
-            if seq.spec.drafter != arm.drafter or seq.spec.k != arm.k:
-                seq.spec = _spec(arm, self._drafters)
-
-    def _deliver(self, out) -> None:
-        stream = self._streams.get(out.request_id)
-        if stream is None or not (out.finished or stream.text_deltas):
-            return  # unary: only the final chunk wakes the caller's event loop, with every token
-        new_ids = out.new_token_ids if stream.text_deltas else out.token_ids
-        chunk = EngineChunk(out.request_id, list(new_ids), finished=out.finished,
-                            finish_reason=out.finish_reason or "", prompt_tokens=len(out.prompt_token_ids),
-                            completion_tokens=len(out.token_ids))
-        if out.finished:
-            self._finished.append((stream.request_class, chunk.finish_reason, chunk.completion_tokens))
-            chunk.text = out.text  # the whole text; generate() turns it into the last delta when streaming
-            chunk.all_token_ids = list(out.token_ids)
-            st = out.stats
-            if st is not None:
-                chunk.drafted, chunk.accepted, chunk.steps = st.drafted, st.accepted, st.steps
-                chunk.mean_accepted_length = st.mean_accepted_length
-                chunk.arms = dict(st.arms)
-            chunk.ttft_s, chunk.e2e_s = out.ttft_s or 0.0, out.e2e_s or 0.0
-        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
-
-    def _fail_all(self, message: str) -> None:
-        for rid in list(self.engine.requests):
-            self.engine.abort(rid)
-        for rid, stream in list(self._streams.items()):
-            chunk = EngineChunk(rid, finished=True, finish_reason="error", error=ErrorInfo(INTERNAL, message))
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
+    def _post(self, cmd: tuple) -> None:
+        self.core.post(cmd)
 
 
 def class_deltas(step_stats: list) -> dict[str, ClassDelta]:
@@ -244,6 +336,13 @@ def class_deltas(step_stats: list) -> dict[str, ClassDelta]:
     return out
 
 
+def _drain(q: collections.deque) -> list:
+    out = []
+    while q:
+        out.append(q.popleft())
+    return out
+
+
 def _spec(arm: Arm, drafters: tuple[str, ...]):
     from adaptspec.engine.params import SpecConfig
 
@@ -255,6 +354,15 @@ def _spec(arm: Arm, drafters: tuple[str, ...]):
 def _set_result(fut: asyncio.Future, value) -> None:
     if not fut.done():
         fut.set_result(value)
+
+
+def _fail_stream(stream: _Stream, chunk: EngineChunk) -> None:
+    _set_result(stream.admitted, None)  # a caller still waiting for admission reads the error next
+    stream.queue.put_nowait(chunk)
+
+
+def _failed(request_id: str, message: str) -> EngineChunk:
+    return EngineChunk(request_id, finished=True, finish_reason="error", error=ErrorInfo(INTERNAL, message))
 
 
 def _error(req: EngineRequest, code: str, message: str) -> EngineChunk:

@@ -1,6 +1,7 @@
-"""TargetEngine: one continuous-batching engine per replica, behind ``EngineLoop``; also the
-app's ingress (the gRPC methods of the ``Ingress`` mixin), so Serve's proxy hands each call
-straight to the replica whose engine runs it.
+"""TargetEngine: one continuous-batching engine per replica (in an engine process of its own,
+``ProcessEngineLoop``, or on a thread of the replica, ``EngineLoop``); also the app's ingress
+(the gRPC methods of the ``Ingress`` mixin), so Serve's proxy hands each call straight to
+the replica whose engine runs it.
 
 Requests from every caller share the replica's batches. A report task sends the
 engine's step stats to the Controller every ``controller.report_interval_s`` and installs
@@ -27,39 +28,43 @@ log = logging.getLogger(__name__)
 @serve.deployment(name="TargetEngine", max_ongoing_requests=1024, health_check_period_s=5)
 class TargetEngine(Ingress):
     async def __init__(self, config: dict, controller=None, drafter=None):
-        import torch
-
-        from adaptspec import Engine
-        from adaptspec.serve.faults import guard_proposers
-        from adaptspec.serve.loop import EngineLoop
         from adaptspec.serve.metrics import ServiceMetrics
 
         cfg = self.config = ServiceConfig.model_validate(config)
-        # the engine thread releases the GIL in every torch op and must get it back quickly:
-        # a short switch interval keeps Serve's threads from holding it for 5 ms at a time
-        sys.setswitchinterval(0.0005)
-        threads = cfg.engine.torch_threads or max(1, int(cfg.target.num_cpus or 1))
-        torch.set_num_threads(threads)
-        draft = cfg.models.draft if cfg.placement == "colocated" else None
-        engine = await asyncio.to_thread(
-            Engine.from_pretrained, cfg.models.target, draft=draft, dtype=cfg.models.dtype,
-            device=cfg.models.device, max_num_seqs=cfg.engine.max_num_seqs, max_model_len=cfg.engine.max_model_len)
-        _warn_slow_bf16(cfg)  # after the load: it built or loaded the kernel off the event loop
         try:
             self.replica_id = serve.get_replica_context().replica_id.unique_id
         except Exception:  # local testing mode
             self.replica_id = "local"
-        if drafter is not None:  # disaggregated placement: the draft model lives in Drafter replicas
-            from adaptspec.serve.drafter import RemoteDraftProposer
+        if cfg.engine_isolation == "process":
+            from adaptspec.serve.engine_proc import ProcessEngineLoop
 
-            engine.proposers["draft"] = RemoteDraftProposer(drafter, self.replica_id, asyncio.get_running_loop())
-        self.guards = guard_proposers(engine, inject=cfg.faults)
-        self.loop = EngineLoop(engine, max_queued=cfg.engine.max_queued, replica_id=self.replica_id,
-                               faults_fn=lambda: sum(g.faults for g in self.guards))
+            self.loop = await ProcessEngineLoop.start(cfg, replica_id=self.replica_id)
+        else:
+            self.loop = await self._thread_loop(cfg, drafter)
         self.controller = controller
         self.metrics = ServiceMetrics()
         self._faults_reported = 0
         self._report_task = asyncio.get_running_loop().create_task(self._report_forever())
+
+    async def _thread_loop(self, cfg: ServiceConfig, drafter):
+        """The engine on a thread of this replica (``engine.isolation: thread``; the disaggregated
+        placement, whose draft proposer calls Drafter replicas through this replica's handles)."""
+        from adaptspec.serve.engine_proc import build_engine, warn_slow_bf16
+        from adaptspec.serve.faults import guard_proposers
+        from adaptspec.serve.loop import EngineLoop
+
+        # the engine thread releases the GIL in every torch op and must get it back quickly:
+        # a short switch interval keeps Serve's threads from holding it for 5 ms at a time
+        sys.setswitchinterval(0.0005)
+        engine = await asyncio.to_thread(build_engine, cfg)
+        warn_slow_bf16(cfg)  # after the load: it built or loaded the kernel off the event loop
+        if drafter is not None:  # disaggregated placement: the draft model lives in Drafter replicas
+            from adaptspec.serve.drafter import RemoteDraftProposer
+
+            engine.proposers["draft"] = RemoteDraftProposer(drafter, self.replica_id, asyncio.get_running_loop())
+        guards = guard_proposers(engine, inject=cfg.faults)
+        return EngineLoop(engine, max_queued=cfg.engine.max_queued, replica_id=self.replica_id,
+                          faults_fn=lambda: sum(g.faults for g in guards))
 
     def engine_stream(self, req: EngineRequest):
         """``EngineChunk``s for one request (rules in ``EngineLoop.generate``)."""
@@ -102,7 +107,7 @@ class TargetEngine(Ingress):
         self.metrics.observe_steps(steps)
         for cls, reason, tokens in finished:
             self.metrics.observe_finished(cls, reason, tokens)
-        faults = sum(g.faults for g in self.guards)
+        faults = self.loop.state().drafter_faults
         if faults > self._faults_reported:
             self.metrics.drafter_faults.inc(faults - self._faults_reported)
             self._faults_reported = faults
@@ -111,18 +116,6 @@ class TargetEngine(Ingress):
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
-
-
-def _warn_slow_bf16(cfg: ServiceConfig) -> None:
-    """bf16 on the CPU is fast only on the C kernel (weight-only bf16, fp32 compute)."""
-    if cfg.models.dtype != "bfloat16" or not cfg.models.device.startswith("cpu"):
-        return
-    from adaptspec.models import cpu_gemm
-
-    if not cpu_gemm.enabled():
-        log.warning("models.dtype is bfloat16 but the CPU kernel is off (%s): bf16 runs on torch, slower "
-                    "than float32 on CPUs without native bf16 arithmetic (the project's test box: "
-                    "README.md); set models.dtype: float32 or install a C compiler", cpu_gemm.status())
 
 
 def _delta(cls: str):

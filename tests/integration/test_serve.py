@@ -316,3 +316,19 @@ def test_smollm_end_to_end(service, smollm_engine):
     finally:
         client.close()
         serve.delete("smollm")
+
+
+def test_background_probes_count_their_calls(service):
+    """``loadtest --probes``: Health/Check callers in a child process; a wrong app only errors."""
+    from adaptspec.serve.loadtest import Probes
+
+    _, client = service
+    ok = Probes(client.address, "adaptspec", 2)
+    time.sleep(2.0)
+    got = ok.stop()
+    bad = Probes(client.address, "no-such-app", 1)
+    time.sleep(2.0)
+    miss = bad.stop()
+    assert got["calls"] > 0 and got["errors"] == 0 and got["calls_per_s"] > 0
+    assert miss["calls"] == 0 and miss["errors"] > 0
+    assert ok.stop() is None  # idempotent

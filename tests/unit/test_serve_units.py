@@ -87,6 +87,80 @@ def test_engine_loop_streams_exact_tokens_and_refuses_a_full_queue(engines):
         loop_.stop()
 
 
+def test_engine_process_streams_exact_tokens_frees_slots_and_fails_callers_when_it_dies(engines, tiny_dir,
+                                                                                     tiny_draft_dir):
+    """The default isolation: the engine in a process of its own behind the same caller API."""
+    from adaptspec import SamplingParams
+    from adaptspec.control import Arm
+    from adaptspec.serve.engine_proc import ProcessEngineLoop
+    from adaptspec.serve.types import PolicySnapshot
+
+    ref = engines().generate(PROMPTS, SamplingParams(max_new_tokens=12, ignore_eos=True))
+    want = [o.token_ids for o in ref]
+    cfg = ServiceConfig.model_validate({
+        "models": {"target": str(tiny_dir), "draft": str(tiny_draft_dir)},
+        "engine": {"max_num_seqs": 1, "max_queued": 0, "max_model_len": 256, "torch_threads": 1},
+        "faults": {"drafter": "draft", "after_calls": 1, "every": 2}})
+
+    async def run():
+        loop_ = await ProcessEngineLoop.start(cfg, replica_id="r0")
+        try:
+            assert loop_.alive and loop_.drafters == ("none", "ngram", "draft")
+            loop_.snapshot = PolicySnapshot(1, {"chat": Arm("draft", 3)})
+            streamed = [c async for c in loop_.generate(_req("a", PROMPTS[0], 12, stream=True))]
+            unary = [c async for c in loop_.generate(_req("b", PROMPTS[1], 12))]
+            first = loop_.generate(_req("c", PROMPTS[2], 200, stream=True))
+            c1 = await first.__anext__()  # admitted and running: the only slot
+            refused = [c async for c in loop_.generate(_req("d", PROMPTS[2]))]
+            await first.aclose()  # the consumer goes away: abort, free the slot
+            for _ in range(200):
+                st = loop_.state()
+                if st.free_slots == 1 and st.in_flight == 0:
+                    break
+                await asyncio.sleep(0.02)
+            bad = [c async for c in loop_.generate(_req("e", [1, 99]))]
+            stats, finished = loop_.take_step_stats(), loop_.take_finished()
+            # the engine process dies mid-request: the caller gets an error, later ones are refused
+            doomed = loop_.generate(_req("f", PROMPTS[0], 200, stream=True))
+            await doomed.__anext__()
+            loop_.proc.kill()
+            rest = [c async for c in doomed]
+            after = [c async for c in loop_.generate(_req("g", PROMPTS[0]))]
+            return streamed, unary, c1, refused, st, bad, stats, finished, rest, after, loop_.alive
+        finally:
+            loop_.stop()
+
+    streamed, unary, c1, refused, st, bad, stats, finished, rest, after, alive = asyncio.run(run())
+    assert [t for c in streamed for t in c.token_ids] == want[0] and streamed[-1].finished
+    assert "draft:3" in streamed[-1].arms and "".join(c.text for c in streamed) == ref[0].text
+    assert len(unary) == 1 and unary[0].finished and unary[0].token_ids == want[1]
+    assert c1.token_ids and refused[0].error.code == "RESOURCE_EXHAUSTED"
+    assert (st.replica_id, st.free_slots, st.in_flight) == ("r0", 1, 0)
+    assert st.drafter_faults > 0  # the injected faults ran in the engine process; the output stayed exact
+    assert bad[0].error.code == "INVALID_ARGUMENT" and "prompt_token_ids" in bad[0].error.message
+    assert stats and sum(1 for cls, reason, _ in finished if cls == "chat" and reason == "length") == 2
+    assert rest[-1].error.code == "INTERNAL" and "engine process" in rest[-1].error.message
+    assert after[0].error.code == "INTERNAL" and not alive
+
+
+def test_engine_process_that_cannot_load_says_why(tmp_path):
+    from adaptspec.serve.engine_proc import ProcessEngineLoop
+
+    cfg = ServiceConfig.model_validate({"models": {"target": str(tmp_path / "missing"), "draft": None}})
+    with pytest.raises(RuntimeError, match="engine process failed to start") as err:
+        asyncio.run(ProcessEngineLoop.start(cfg))
+    assert "missing" in str(err.value)
+
+
+def test_isolation_resolves_and_refuses_process_for_disaggregated():
+    assert ServiceConfig().engine_isolation == "process"
+    dis = {"placement": "disaggregated", "models": {"draft": "some/folder"}}
+    assert ServiceConfig.model_validate(dis).engine_isolation == "thread"
+    assert ServiceConfig.model_validate({"engine": {"isolation": "thread"}}).engine_isolation == "thread"
+    with pytest.raises(ValueError, match="engine.isolation"):
+        ServiceConfig.model_validate({**dis, "engine": {"isolation": "process"}})
+
+
 def test_controller_core_aggregates_pins_and_refuses_bad_updates():
     from adaptspec.control import Arm, StepOutcome
     from adaptspec.control.types import RequestOutcome
@@ -305,10 +379,10 @@ def test_overhead_is_the_median_of_paired_differences():
 
 def test_bf16_on_a_cpu_without_the_kernel_warns(monkeypatch, caplog):
     from adaptspec.models import cpu_gemm
-    from adaptspec.serve.target import _warn_slow_bf16
+    from adaptspec.serve.engine_proc import warn_slow_bf16 as _warn_slow_bf16
 
     monkeypatch.setattr(cpu_gemm, "enabled", lambda: False)
-    with caplog.at_level("WARNING", logger="adaptspec.serve.target"):
+    with caplog.at_level("WARNING", logger="adaptspec.serve.engine_proc"):
         _warn_slow_bf16(ServiceConfig.model_validate({"models": {"dtype": "bfloat16"}}))
         _warn_slow_bf16(ServiceConfig())  # the default, float32
         _warn_slow_bf16(ServiceConfig.model_validate({"models": {"dtype": "bfloat16", "device": "cuda"}}))
