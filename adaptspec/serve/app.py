@@ -15,7 +15,7 @@ from adaptspec.serve.config import SERVICER_FUNCTIONS, ServiceConfig
 # - the proxy calls the replica over Serve's inter-deployment gRPC instead of a Ray actor
 #   task (the larger part of the gain; the client still talks to Serve's gRPC proxy);
 # - the replica runs the servicer methods on its own event loop (ours only await queues;
-#   the engine runs in its own thread) and the proxy's router on its loop, instead of a
+#   the engine runs apart from them) and the proxy's router on its loop, instead of a
 #   hand-off to a separate thread and loop per call;
 # - Serve's per-request log lines go to the log files only, not also to stderr;
 # - the garbage collector is frozen after start-up (the models' objects are never garbage).

@@ -86,7 +86,7 @@ class ProcessEngineLoop(_Callers):
     async def start(cls, cfg: ServiceConfig, *, replica_id: str = "local", startup_timeout_s: float = 1800.0):
         """Spawn the engine process and wait (off the event loop) until its models are loaded."""
         mine, theirs = socket.socketpair()
-        # Popen from this (long-lived) thread; the child inherits only its end of the pair
+        # the child inherits only its end of the pair
         proc = subprocess.Popen([sys.executable, "-m", "adaptspec.serve.engine_proc", str(theirs.fileno())],
                                 pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL)
         theirs.close()
@@ -122,6 +122,7 @@ class ProcessEngineLoop(_Callers):
         self._stopping = True
         self._post(("stop",))
         _reap(self.proc, grace_s=5.0)
+        self._reader.join(timeout=10)  # it reads EOF now that the engine process is gone
         self._conn.close()
 
     def _post(self, cmd: tuple) -> None:
@@ -137,26 +138,30 @@ class ProcessEngineLoop(_Callers):
                 msg = self._conn.recv()
             except (EOFError, OSError):
                 break
-            kind = msg[0]
-            if kind == "step":
-                _, chunks, stats, finished, state = msg
-                self._step_stats.extend(stats)
-                self._finished.extend(finished)
-                self._state = state
-                self.deliver(chunks)
-            elif kind == "admitted":
-                self.admitted(msg[1], msg[2])
-            elif kind == "state":
-                self._state = msg[1]
+            try:
+                kind = msg[0]
+                if kind == "step":
+                    _, chunks, stats, finished, state = msg
+                    self._step_stats.extend(stats)
+                    self._finished.extend(finished)
+                    self._state = state
+                    self.deliver(chunks)
+                elif kind == "admitted":
+                    self.admitted(msg[1], msg[2])
+                elif kind == "state":
+                    self._state = msg[1]
+                else:
+                    raise ValueError(f"unknown message {kind!r}")
+            except Exception:  # a bug here would leave callers waiting: end the engine instead
+                log.exception("bad message from the engine process")
+                break
+        if not self._stopping and self.proc.poll() is None:
+            self.proc.kill()
         rc = _reap(self.proc, grace_s=2.0)
         if not self._stopping:
             log.error("engine process %d exited (code %s); failing its requests", self.proc.pid, rc)
         self._engine_gone(f"engine process exited (code {rc}); the replica is being replaced, retry"
                           if not self._stopping else "replica shutting down")
-
-    def __del__(self):
-        if not self._stopping and getattr(self, "proc", None) is not None and self.proc.poll() is None:
-            self.proc.kill()
 
 
 def _wait_ready(conn: Connection, proc: subprocess.Popen, timeout_s: float) -> dict:
@@ -209,17 +214,34 @@ class _ConnSink:
             os._exit(0)
 
 
+def _exit_with_the_replica(parent: int) -> None:
+    """The engine process never outlives the replica that started it, even mid-load (when
+    nothing reads the socket yet)."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent:
+            os._exit(0)
+
+
+def _die(why: str) -> None:
+    """The engine thread died: exit, so the replica sees EOF and fails every caller."""
+    logging.shutdown()
+    os._exit(1)
+
+
 def main(fd: int) -> int:
+    threading.Thread(target=_exit_with_the_replica, args=(os.getppid(),), daemon=True).start()
     conn = Connection(fd)
-    try:
-        cfg = ServiceConfig.model_validate(conn.recv())
-    except EOFError:
-        return 0
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s adaptspec-engine[%(process)d] %(name)s: %(message)s")
     try:
+        raw = conn.recv()
+    except EOFError:
+        return 0
+    try:
         from adaptspec.serve.faults import guard_proposers
 
+        cfg = ServiceConfig.model_validate(raw)
         engine = build_engine(cfg)
         guards = guard_proposers(engine, inject=cfg.faults)
         warn_slow_bf16(cfg)
@@ -227,7 +249,7 @@ def main(fd: int) -> int:
         conn.send(("error", traceback.format_exc()))
         return 1
     sink = _ConnSink(conn)
-    core = sink.core = EngineCore(engine, sink, faults_fn=lambda: sum(g.faults for g in guards))
+    core = sink.core = EngineCore(engine, sink, faults_fn=lambda: sum(g.faults for g in guards), on_death=_die)
     conn.send(("ready", {"drafters": core.drafters, "max_num_seqs": engine.config.max_num_seqs,
                          "tokenizer": engine.tokenizer}))
     core.start()

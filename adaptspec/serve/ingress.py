@@ -11,7 +11,7 @@ replica), so a request crosses one Ray hop, not two. A separate Ingress deployme
 whole Ray Serve handle call per request (about 8 ms on a busy 2-core machine) for work
 that takes microseconds. The class needs from its host: ``config`` (``ServiceConfig``),
 ``engine_stream(EngineRequest)`` (async iterator of ``EngineChunk``; rules in
-``EngineLoop.generate``), ``controller`` (a handle) and ``serving()`` (bool, for health).
+``adaptspec.serve.loop``), ``controller`` (a handle) and ``serving()`` (bool, for health).
 It imports neither torch nor the models.
 """
 from __future__ import annotations

@@ -18,8 +18,6 @@ in the replica, next to the engine, while the load or the overhead is measured.
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
@@ -293,38 +291,56 @@ def as_json(levels: list[LevelSummary], overhead: dict | None = None, probes: di
 
 class Probes:
     """``clients`` closed-loop ``Health/Check`` callers in a child process (so they take
-    nothing from this process's GIL, where the overhead's in-process engine runs); ``stop()``
-    returns ``{"clients", "seconds", "calls", "calls_per_s", "errors"}``."""
+    nothing from this process's GIL, where the overhead's in-process engine runs), counted
+    from when they are all connected; ``stop()`` (idempotent) returns ``{"clients",
+    "seconds", "calls", "calls_per_s", "errors"}``, or None when there were none."""
 
-    def __init__(self, address: str, app_name: str, clients: int):
+    def __init__(self, address: str, app_name: str, clients: int, ready_timeout_s: float = 60.0):
         self.clients = clients
-        self.t0 = time.perf_counter()
+        self.proc = None
+        if clients <= 0:
+            return
+        # the child stops at EOF on its stdin, so it also stops if this process dies
         self.proc = subprocess.Popen([sys.executable, "-m", "adaptspec.serve.loadtest", "--probe", address, app_name,
-                                      str(clients)], stdout=subprocess.PIPE, text=True) if clients > 0 else None
+                                      str(clients)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        ready = _readline(self.proc.stdout, ready_timeout_s)
+        if ready.strip() != "ready":
+            self.stop()
+            raise RuntimeError(f"the Health/Check probes did not start (said {ready!r})")
+        self.t0 = time.perf_counter()
 
     def stop(self) -> dict | None:
-        """Idempotent: the first call stops the child and returns its counts."""
         proc, self.proc = self.proc, None
         if proc is None:
             return None
-        seconds = time.perf_counter() - self.t0
-        proc.send_signal(signal.SIGTERM)
+        seconds = time.perf_counter() - getattr(self, "t0", time.perf_counter())
         try:
-            out, _ = proc.communicate(timeout=30)
+            out, _ = proc.communicate(timeout=30)  # closes stdin: the child stops and prints its counts
             calls, errors = (int(x) for x in out.split()[-2:])
         except (subprocess.TimeoutExpired, ValueError):
             proc.kill()
+            proc.communicate()
             calls = errors = -1
         return {"clients": self.clients, "seconds": seconds, "calls": calls, "errors": errors,
                 "calls_per_s": calls / seconds if calls >= 0 and seconds > 0 else 0.0}
 
 
+def _readline(stream, timeout_s: float) -> str:
+    out: list[str] = []
+    t = threading.Thread(target=lambda: out.append(stream.readline()), daemon=True)
+    t.start()
+    t.join(timeout_s)
+    return out[0] if out else ""
+
+
 def _probe_main(address: str, app_name: str, clients: int) -> None:
     counts = [[0, 0] for _ in range(clients)]
     stop = threading.Event()
+    connected = threading.Barrier(clients + 1)
 
     def run(i: int) -> None:
         with Client(address, app_name) as c:
+            connected.wait()
             while not stop.is_set():
                 try:
                     c.health(timeout=10)
@@ -333,14 +349,12 @@ def _probe_main(address: str, app_name: str, clients: int) -> None:
                     counts[i][1] += 1
                     time.sleep(0.05)
 
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(clients)]
     for t in threads:
         t.start()
-    parent = os.getppid()
-    while not stop.wait(0.2):
-        if os.getppid() != parent:  # the load generator is gone
-            break
+    connected.wait(timeout=60)  # BrokenBarrierError: a client could not start; the parent says so
+    print("ready", flush=True)
+    sys.stdin.read()  # until the load generator closes our stdin (or dies)
     stop.set()
     for t in threads:
         t.join(timeout=10)

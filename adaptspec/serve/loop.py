@@ -54,9 +54,10 @@ class EngineCore:
     every step (the chunks to hand out; may be empty) and ``after_commands()`` after a drain
     of the inbox that changed something."""
 
-    def __init__(self, engine, sink, *, faults_fn=None):
+    def __init__(self, engine, sink, *, faults_fn=None, on_death=None):
         self.engine = engine
         self.sink = sink
+        self.on_death = on_death  # called with the reason if the engine thread dies of an error
         self.snapshot = PolicySnapshot()
         self.drafters = ("none", *engine.proposers)
         self.step_stats: collections.deque = collections.deque(maxlen=100_000)
@@ -67,7 +68,7 @@ class EngineCore:
         self._meta: dict[str, _Meta] = {}
         self._stop = False
         engine.step_listeners.append(self.step_stats.append)
-        self._thread = threading.Thread(target=self._run, name="adaptspec-engine", daemon=True)
+        self._thread = threading.Thread(target=self._main, name="adaptspec-engine", daemon=True)
 
     def start(self) -> EngineCore:
         self._thread.start()
@@ -97,6 +98,15 @@ class EngineCore:
                             drafter_faults=self._faults_fn(), verify_tokens=last.verify_tokens if last else 0,
                             context_tokens=last.context_tokens if last else 0,
                             free_slots=len(eng.scheduler.free_slots))
+
+    def _main(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # a bug outside a step: nothing can run any more, so say so
+            log.exception("engine thread died")
+            self._stop = True
+            if self.on_death is not None:
+                self.on_death(f"engine thread died: {type(exc).__name__}: {exc}")
 
     def _run(self) -> None:
         eng = self.engine
@@ -227,9 +237,9 @@ class _Callers:
         if refused is not None:
             yield refused
             return
-        self._post(("add", req))
         finished = False
         try:
+            self._post(("add", req))
             err = await stream.admitted
             if err is not None:
                 yield _error(req, INVALID_ARGUMENT, _field_message(err))
@@ -268,13 +278,13 @@ class _Callers:
     def admitted(self, request_id: str, err: str | None) -> None:
         stream = self._streams.get(request_id)
         if stream is not None:
-            stream.loop.call_soon_threadsafe(_set_result, stream.admitted, err)
+            _call_soon(stream, _set_result, stream.admitted, err)
 
     def deliver(self, chunks: list[EngineChunk]) -> None:
         for chunk in chunks:
             stream = self._streams.get(chunk.request_id)
             if stream is not None:
-                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, chunk)
+                _call_soon(stream, stream.queue.put_nowait, chunk)
 
     def after_commands(self) -> None:
         pass
@@ -285,7 +295,7 @@ class _Callers:
             self._dead = why
             streams = list(self._streams.items())
         for rid, stream in streams:
-            stream.loop.call_soon_threadsafe(_fail_stream, stream, _failed(rid, why))
+            _call_soon(stream, _fail_stream, stream, _failed(rid, why))
 
 
 class EngineLoop(_Callers):
@@ -295,7 +305,7 @@ class EngineLoop(_Callers):
         self.engine = engine
         super().__init__(drafters=("none", *engine.proposers), max_in_flight=engine.config.max_num_seqs + max_queued,
                          replica_id=replica_id, detok=copy.deepcopy(engine.tokenizer))
-        self.core = EngineCore(engine, self, faults_fn=faults_fn)
+        self.core = EngineCore(engine, self, faults_fn=faults_fn, on_death=self._engine_gone)
         self._step_stats, self._finished = self.core.step_stats, self.core.finished
         self.core.start()
 
@@ -316,6 +326,7 @@ class EngineLoop(_Callers):
 
     def stop(self) -> None:
         self.core.stop()
+        self._engine_gone("replica shutting down")
 
     def _post(self, cmd: tuple) -> None:
         self.core.post(cmd)
@@ -354,6 +365,13 @@ def _spec(arm: Arm, drafters: tuple[str, ...]):
 def _set_result(fut: asyncio.Future, value) -> None:
     if not fut.done():
         fut.set_result(value)
+
+
+def _call_soon(stream: _Stream, fn, *args) -> None:
+    try:
+        stream.loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:  # that caller's event loop is closed: nobody is left to tell
+        pass
 
 
 def _fail_stream(stream: _Stream, chunk: EngineChunk) -> None:

@@ -41,10 +41,14 @@ class TargetEngine(Ingress):
             self.loop = await ProcessEngineLoop.start(cfg, replica_id=self.replica_id)
         else:
             self.loop = await self._thread_loop(cfg, drafter)
-        self.controller = controller
-        self.metrics = ServiceMetrics()
-        self._faults_reported = 0
-        self._report_task = asyncio.get_running_loop().create_task(self._report_forever())
+        try:
+            self.controller = controller
+            self.metrics = ServiceMetrics()
+            self._faults_reported = 0
+            self._report_task = asyncio.get_running_loop().create_task(self._report_forever())
+        except BaseException:
+            self.loop.stop()  # no engine (process) left behind by a replica that failed to start
+            raise
 
     async def _thread_loop(self, cfg: ServiceConfig, drafter):
         """The engine on a thread of this replica (``engine.isolation: thread``; the disaggregated
@@ -67,7 +71,7 @@ class TargetEngine(Ingress):
                           faults_fn=lambda: sum(g.faults for g in guards))
 
     def engine_stream(self, req: EngineRequest):
-        """``EngineChunk``s for one request (rules in ``EngineLoop.generate``)."""
+        """``EngineChunk``s for one request (rules in ``adaptspec.serve.loop``)."""
         return self.loop.generate(req)
 
     def serving(self) -> bool:
@@ -75,7 +79,7 @@ class TargetEngine(Ingress):
 
     async def check_health(self) -> None:
         if not self.loop.alive:
-            raise RuntimeError("engine thread died")
+            raise RuntimeError("the replica's engine died (see its log)")
 
     async def _report_forever(self) -> None:
         from adaptspec.serve.loop import class_deltas

@@ -324,11 +324,14 @@ def test_background_probes_count_their_calls(service):
 
     _, client = service
     ok = Probes(client.address, "adaptspec", 2)
+    proc = ok.proc
     time.sleep(2.0)
     got = ok.stop()
+    assert proc.returncode == 0  # the child stopped at EOF on its stdin
     bad = Probes(client.address, "no-such-app", 1)
     time.sleep(2.0)
     miss = bad.stop()
     assert got["calls"] > 0 and got["errors"] == 0 and got["calls_per_s"] > 0
     assert miss["calls"] == 0 and miss["errors"] > 0
     assert ok.stop() is None  # idempotent
+    assert got["seconds"] > 1.5  # counted from when the clients were connected

@@ -87,6 +87,7 @@ def test_engine_loop_streams_exact_tokens_and_refuses_a_full_queue(engines):
         loop_.stop()
 
 
+@pytest.mark.timeout(180)
 def test_engine_process_streams_exact_tokens_frees_slots_and_fails_callers_when_it_dies(engines, tiny_dir,
                                                                                      tiny_draft_dir):
     """The default isolation: the engine in a process of its own behind the same caller API."""
@@ -124,7 +125,7 @@ def test_engine_process_streams_exact_tokens_frees_slots_and_fails_callers_when_
             doomed = loop_.generate(_req("f", PROMPTS[0], 200, stream=True))
             await doomed.__anext__()
             loop_.proc.kill()
-            rest = [c async for c in doomed]
+            rest = await asyncio.wait_for(_drain_all(doomed), 60)
             after = [c async for c in loop_.generate(_req("g", PROMPTS[0]))]
             return streamed, unary, c1, refused, st, bad, stats, finished, rest, after, loop_.alive
         finally:
@@ -141,6 +142,57 @@ def test_engine_process_streams_exact_tokens_frees_slots_and_fails_callers_when_
     assert stats and sum(1 for cls, reason, _ in finished if cls == "chat" and reason == "length") == 2
     assert rest[-1].error.code == "INTERNAL" and "engine process" in rest[-1].error.message
     assert after[0].error.code == "INTERNAL" and not alive
+
+
+async def _drain_all(gen) -> list:
+    return [c async for c in gen]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("isolation", ["thread", "process"])
+def test_an_engine_that_dies_or_stops_fails_its_callers_instead_of_leaving_them_waiting(engines, tiny_dir, isolation):
+    """A bug that kills the engine thread outside a step (here: an arm without a k), and a
+    replica stopping with requests in flight: every caller gets INTERNAL."""
+    from types import SimpleNamespace
+
+    from adaptspec.serve.engine_proc import ProcessEngineLoop
+    from adaptspec.serve.loop import EngineLoop
+
+    cfg = ServiceConfig.model_validate({"models": {"target": str(tiny_dir), "draft": None},
+                                        "engine": {"max_num_seqs": 2, "max_model_len": 256, "torch_threads": 1}})
+
+    async def start():
+        if isolation == "process":
+            return await ProcessEngineLoop.start(cfg)
+        return EngineLoop(engines(seqs=2), max_queued=4)
+
+    async def run():
+        loop_ = await start()
+        try:  # the replica stops while a request runs
+            running = loop_.generate(_req("a", PROMPTS[0], 200, stream=True))
+            await running.__anext__()
+            loop_.stop()
+            stopped = await asyncio.wait_for(_drain_all(running), 60)
+        finally:
+            loop_.stop()
+        loop_ = await start()
+        try:  # the engine thread dies
+            running = loop_.generate(_req("b", PROMPTS[0], 200, stream=True))
+            await running.__anext__()
+            bad_arm = _req("c", [1, 2], arm=SimpleNamespace(drafter="none"))
+            broken = await asyncio.wait_for(_drain_all(loop_.generate(bad_arm)), 60)
+            rest = await asyncio.wait_for(_drain_all(running), 60)
+            after = await asyncio.wait_for(_drain_all(loop_.generate(_req("d", PROMPTS[1]))), 60)
+            return stopped, broken, rest, after, loop_.alive
+        finally:
+            loop_.stop()
+
+    stopped, broken, rest, after, alive = asyncio.run(run())
+    assert stopped[-1].error.code == "INTERNAL" and "shutting down" in stopped[-1].error.message
+    for name, chunks in (("broken", broken), ("rest", rest), ("after", after)):
+        assert chunks[-1].finished and chunks[-1].error is not None, (name, chunks[-1])
+        assert chunks[-1].error.code == "INTERNAL", (name, chunks[-1].error)
+    assert "engine" in rest[-1].error.message and not alive
 
 
 def test_engine_process_that_cannot_load_says_why(tmp_path):
