@@ -18,20 +18,20 @@ everything falls back to torch (``status()`` says why). ctypes releases the GIL 
 each call, so a step spends most of its time without it (the service's event loop runs
 meanwhile).
 
-Where it is used (``default_matmul``): bfloat16 models on the CPU by default, computed in
-fp32 (weight-only bf16, see ``LlamaModel``); with ``ADAPTSPEC_CPU_KERNEL=all`` float32 models
-too. Packed fp32 weights also keep a copy as torch has it, and one-row products (decoding
-one token) and prefills (more than ``MAX_ROWS_F32`` rows) go to the BLAS, whose
-matrix-vector path reads fp32 weights about 10% faster than this kernel does; 2-64 rows
-(verifying k + 1 candidates, a batch) go to the kernel, where the BLAS packs panels and
-slows down 1.6-2x. Measured on this project's 2-core machine (SmolLM2-135M, one sequence over
-200 cached tokens), an fp32 target forward of 1 / 2 / 5 / 9 tokens: 35.4 / 47.8 / 55.6 / 69.0
-ms all-torch, 39.5 / 41.6 / 46.8 / 59.1 ms all-kernel, 35.9 / 41.9 / 47.1 / 54.2 ms both (a
-throwaway script, one process, alternating). fp32 is not on the kernel by default: in the
-service's load test at 16 clients the adaptive controller then chose speculation far more
-often than with torch's fp32 costs and lost 22-28% of throughput to the best static arm
-(0.96 with torch; deploy/README.md, run 11), which its cost model has to learn to avoid
-first. ``ADAPTSPEC_CPU_KERNEL=0`` turns the kernel off.
+Where it is used (``default_matmul``): bfloat16 and float32 models on the CPU (``mode``),
+bf16 computed in fp32 (weight-only bf16, see ``LlamaModel``). Packed fp32 weights also keep
+a copy as torch has it, and one-row products (decoding one token) and prefills (more than
+``MAX_ROWS_F32`` rows) go to the BLAS, whose matrix-vector path reads fp32 weights about 6%
+faster than this kernel does; 2-64 rows (verifying k + 1 candidates, a batch) go to the
+kernel, where the BLAS packs panels and slows down 1.6-2x. The price is twice the fp32
+weight memory (SmolLM2-135M: 0.54 GB more). Measured on this project's 2-core machine
+(SmolLM2-135M, one sequence over 200 cached tokens, ``python -m
+adaptspec.models.forward_bench --dtype float32 --layouts packed,fast``), an fp32 target
+forward of 1 / 2 / 5 / 9 tokens: 27.3 / 30.2 / 32.7 / 37.7 ms like this, 27.9 / 41.1 / 46.2
+/ 57.8 ms with every matmul on torch. ``ADAPTSPEC_CPU_KERNEL=bf16`` keeps fp32 matmuls on
+torch (the default until the fp32 kernel's prefetch was fixed; with the old kernel the
+service's adaptive controller lost to the best static arm at 16 clients, deploy/README.md
+run 11), ``ADAPTSPEC_CPU_KERNEL=0`` turns the C kernels off.
 """
 from __future__ import annotations
 
@@ -216,17 +216,17 @@ def attention(qkv: torch.Tensor, row_start: torch.Tensor, slots: torch.Tensor, c
 
 
 def mode() -> str:
-    """``ADAPTSPEC_CPU_KERNEL``: "0" (no C kernels: torch everywhere), "bf16" (the default:
-    the matmul kernel for bf16 models; the layer ops for every fp32-compute model) or "all"
-    (the matmul kernel for fp32 models too)."""
-    v = os.environ.get("ADAPTSPEC_CPU_KERNEL", "bf16").lower()
+    """``ADAPTSPEC_CPU_KERNEL``: "all" (the default: the matmul kernel for bf16 and fp32
+    models, the layer ops for every fp32-compute model), "bf16" (the matmul kernel for bf16
+    models only; fp32 matmuls on torch) or "0" (no C kernels: torch everywhere)."""
+    v = os.environ.get("ADAPTSPEC_CPU_KERNEL", "all").lower()
     if v in ("0", "off", "false", "no"):
         return "0"
-    if v in ("all", "fp32", "float32"):
+    if v in ("all", "fp32", "float32", "1", "on", "true", "yes"):
         return "all"
-    if v in ("1", "on", "bf16", "bfloat16", "true", "yes"):
+    if v in ("bf16", "bfloat16"):
         return "bf16"
-    raise ValueError(f"ADAPTSPEC_CPU_KERNEL={v!r}: use 0, bf16 or all")
+    raise ValueError(f"ADAPTSPEC_CPU_KERNEL={v!r}: use all, bf16 or 0")
 
 
 def default_matmul(dtype: torch.dtype, device: torch.device) -> str:

@@ -62,7 +62,7 @@ def load_model(spec: str, dtype="float32", device="cpu", matmul: str | None = No
     dt, dev = parse_dtype(dtype), parse_device(device)
     folder = resolve(spec, quiet=quiet)
     cfg = LlamaConfig.from_hf(AutoConfig.from_pretrained(folder))
-    # On the CPU: our small-M kernel on packed weights (bf16; see cpu_gemm) or the
+    # On the CPU: our small-M kernel on packed weights (bf16 and fp32; see cpu_gemm) or the
     # transposed "fast" layout for the BLAS; on CUDA cuBLAS handles F.linear well.
     if matmul is None:
         from adaptspec.models import cpu_gemm

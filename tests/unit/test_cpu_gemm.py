@@ -70,10 +70,11 @@ def test_mode_parsing(monkeypatch):
     monkeypatch.setenv("ADAPTSPEC_CPU_KERNEL", "nonsense")
     with pytest.raises(ValueError, match="ADAPTSPEC_CPU_KERNEL"):
         cpu_gemm.mode()
-    monkeypatch.setenv("ADAPTSPEC_CPU_KERNEL", "all")
-    assert cpu_gemm.default_matmul(torch.float32, torch.device("cpu")) == "packed"
-    monkeypatch.delenv("ADAPTSPEC_CPU_KERNEL")
+    monkeypatch.setenv("ADAPTSPEC_CPU_KERNEL", "bf16")
     assert cpu_gemm.default_matmul(torch.float32, torch.device("cpu")) == "fast"
+    assert cpu_gemm.default_matmul(torch.bfloat16, torch.device("cpu")) == "packed"
+    monkeypatch.delenv("ADAPTSPEC_CPU_KERNEL")  # the default: the kernel for both dtypes
+    assert cpu_gemm.default_matmul(torch.float32, torch.device("cpu")) == "packed"
     assert cpu_gemm.default_matmul(torch.bfloat16, torch.device("cpu")) == "packed"
     assert cpu_gemm.default_matmul(torch.float32, torch.device("cuda")) == "reference"
 

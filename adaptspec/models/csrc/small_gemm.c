@@ -11,13 +11,18 @@
  * wp[nb][I][32] (nb = ceil(O / 32), zero-padded), so one block's weights are contiguous and
  * the hardware prefetcher sees one sequential stream per thread. fp32 or bf16 weights (bf16
  * widened to fp32 exactly); x and y are fp32; accumulation in fp32, rows in order of i.
- * bf16 blocks interleave their two halves (see load_bf16x2), and their loop prefetches 1 KB
- * ahead: measured on the project's 2-core machine (all weight shapes of SmolLM2-135M from
- * memory), a bf16 pass of 1 / 5 / 9 rows took 18.0 / 20.0 / 28.0 ms with the widening by
- * shuffles (GCC's code for a vector conversion), 14.1 / 16.5 / 23.4 ms like this. fp32
- * blocks prefetch the same way: no change for one row, and over all of SmolLM2's fp32
- * weights 2 / 5 / 8 rows took 25.8-27.0 / 29.4-30.1 / 30.1-30.5 ms instead of 27.9-28.3 /
- * 30.9-33.5 / 33.6-34.5 (two runs of a C benchmark, the variants alternating).
+ * bf16 blocks interleave their two halves (see load_bf16x2): measured on the project's
+ * 2-core machine (all weight shapes of SmolLM2-135M from memory), a bf16 pass of 1 / 5 / 9
+ * rows took 18.0 / 20.0 / 28.0 ms with the widening by shuffles (GCC's code for a vector
+ * conversion), 14.1 / 16.5 / 23.4 ms like this.
+ *
+ * Software prefetch: every cache line of a block's row, 4 KB ahead. A fp32 row of a block
+ * is two lines; the first version prefetched one line per row, 1 KB ahead (for bf16, all of
+ * a row), and left the other fp32 line to the hardware prefetcher, which fell behind as rows
+ * were added: over all of SmolLM2's fp32 weights 1 / 3 / 5 / 8 rows took 23.3 / 26.9 / 28.3
+ * / 28.6 ms that way and 22.8 / 24.0 / 24.6 / 25.5 ms like this (the BLAS: 21.5 ms for one
+ * row, 36.4 for five); bf16 1 / 3 / 5 / 8 rows 12.8 / 14.8 / 14.6 / 15.3 ms at 1 KB, 11.9 /
+ * 12.5 / 12.9 / 14.0 at 4 KB (C benchmarks, the variants alternating, 12 repetitions).
  *
  * Written with GCC vector extensions, so it builds to AVX-512, AVX2 or NEON from one
  * source (-O3 -march=native). Threads: OpenMP over column blocks.
@@ -48,7 +53,7 @@ static inline void load_bf16x2(const uint16_t* p, v16f* lo, v16f* hi) {
     memcpy(hi, &b, sizeof b);
 }
 
-#define KERNEL(R, NAME, WT, LOAD, PREFETCH)                                            \
+#define KERNEL(R, NAME, WT, LOAD, LINES)                                               \
     static void NAME##_##R(int I, const float* x, int ldx, const WT* w, float* y,      \
                            int ldy, int bw) {                                          \
         v16f a0[R], a1[R];                                                             \
@@ -57,7 +62,9 @@ static inline void load_bf16x2(const uint16_t* p, v16f* lo, v16f* hi) {
             a1[r] = (v16f){0};                                                         \
         }                                                                              \
         for (int i = 0; i < I; i++) {                                                  \
-            if (PREFETCH) __builtin_prefetch(w + (int64_t)i * BW + 1024 / sizeof(WT), 0, 3); \
+            /* software prefetch 4 KB ahead, every cache line of the row (fp32: 2, bf16: 1) */ \
+            for (int l = 0; l < LINES; l++)                                            \
+                __builtin_prefetch(w + (int64_t)i * BW + (4096 + 64 * l) / sizeof(WT), 0, 3); \
             v16f w0, w1;                                                               \
             LOAD(w + (int64_t)i * BW, &w0, &w1);                                       \
             for (int r = 0; r < R; r++) {                                              \
@@ -74,13 +81,13 @@ static inline void load_bf16x2(const uint16_t* p, v16f* lo, v16f* hi) {
         }                                                                              \
     }
 
-#define ALL(NAME, WT, LOAD, PF)                                                        \
-    KERNEL(1, NAME, WT, LOAD, PF) KERNEL(2, NAME, WT, LOAD, PF)                        \
-    KERNEL(3, NAME, WT, LOAD, PF) KERNEL(4, NAME, WT, LOAD, PF)                        \
-    KERNEL(5, NAME, WT, LOAD, PF) KERNEL(6, NAME, WT, LOAD, PF)                        \
-    KERNEL(7, NAME, WT, LOAD, PF) KERNEL(8, NAME, WT, LOAD, PF)
+#define ALL(NAME, WT, LOAD, LN)                                                        \
+    KERNEL(1, NAME, WT, LOAD, LN) KERNEL(2, NAME, WT, LOAD, LN)                        \
+    KERNEL(3, NAME, WT, LOAD, LN) KERNEL(4, NAME, WT, LOAD, LN)                        \
+    KERNEL(5, NAME, WT, LOAD, LN) KERNEL(6, NAME, WT, LOAD, LN)                        \
+    KERNEL(7, NAME, WT, LOAD, LN) KERNEL(8, NAME, WT, LOAD, LN)
 
-ALL(kf32, float, load_f32x2, 1)
+ALL(kf32, float, load_f32x2, 2)
 ALL(kbf16, uint16_t, load_bf16x2, 1)
 
 typedef void (*kfn_f32)(int, const float*, int, const float*, float*, int, int);
@@ -88,7 +95,7 @@ typedef void (*kfn_bf16)(int, const float*, int, const uint16_t*, float*, int, i
 static const kfn_f32 KF32[9] = {0, kf32_1, kf32_2, kf32_3, kf32_4, kf32_5, kf32_6, kf32_7, kf32_8};
 static const kfn_bf16 KBF16[9] = {0, kbf16_1, kbf16_2, kbf16_3, kbf16_4, kbf16_5, kbf16_6, kbf16_7, kbf16_8};
 
-int adaptspec_small_gemm_version(void) { return 2; }
+int adaptspec_small_gemm_version(void) { return 3; }
 
 /* y[M, O] (row stride ldy) = x[M, I] (row stride ldx) @ W; wp packed as above. Each thread
    takes whole column blocks and runs every 8-row tile of x over a block while the block
