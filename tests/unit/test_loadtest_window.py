@@ -36,3 +36,17 @@ def test_rounds_add_their_windows_and_errors_count_once():
     s = summarize("p", 1, recs, [w1, w2], SPEC)
     assert s.duration_s == 10.0 and s.throughput_tokens_per_s == 5 / 10.0
     assert s.requests == 2 and s.errors == 1
+
+
+def test_adaptive_vs_static_does_not_round_a_miss_into_the_goal():
+    from types import SimpleNamespace as NS
+
+    from adaptspec.serve.cli import adaptive_vs_static
+
+    rows = [NS(concurrency=4, policy="thompson", throughput_tokens_per_s=51.13),
+            NS(concurrency=4, policy="static:ngram:2", throughput_tokens_per_s=54.08),
+            NS(concurrency=4, policy="static:none:0", throughput_tokens_per_s=41.8),
+            NS(concurrency=16, policy="thompson", throughput_tokens_per_s=96.0),
+            NS(concurrency=16, policy="static:none:0", throughput_tokens_per_s=95.0)]
+    assert adaptive_vs_static(rows) == ["c=4: thompson / best static (static:ngram:2) = 0.945 (< 0.95)",
+                                        "c=16: thompson / best static (static:none:0) = 1.011 (>= 0.95)"]
