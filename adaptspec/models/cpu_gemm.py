@@ -27,8 +27,8 @@ kernel, where the BLAS packs panels and slows down 1.6-2x. The price is twice th
 weight memory (SmolLM2-135M: 0.54 GB more). Measured on this project's 2-core machine
 (SmolLM2-135M, one sequence over 200 cached tokens, ``python -m
 adaptspec.models.forward_bench --dtype float32 --layouts packed,fast``), an fp32 target
-forward of 1 / 2 / 5 / 9 tokens: 27.3 / 30.2 / 32.7 / 37.7 ms like this, 27.9 / 41.1 / 46.2
-/ 57.8 ms with every matmul on torch. ``ADAPTSPEC_CPU_KERNEL=bf16`` keeps fp32 matmuls on
+forward of 1 / 2 / 5 / 9 tokens (two runs): 27.3-30.7 / 30.2-31.6 / 32.7-34.8 / 37.7-39.4 ms
+like this, 27.9-29.1 / 40.8-41.1 / 46.2-51.3 / 57.8-62.5 ms with every matmul on torch. ``ADAPTSPEC_CPU_KERNEL=bf16`` keeps fp32 matmuls on
 torch (the default until the fp32 kernel's prefetch was fixed; with the old kernel the
 service's adaptive controller lost to the best static arm at 16 clients, deploy/README.md
 run 11), ``ADAPTSPEC_CPU_KERNEL=0`` turns the C kernels off.
