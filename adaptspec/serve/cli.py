@@ -354,20 +354,14 @@ def adaptive_vs_static(results) -> list[str]:
 def _overhead(client, n: int, reps: int, max_tokens: int, config: Optional[str], target: Optional[str],
               torch_threads: Optional[int]) -> dict:
     """Build an in-process engine like the service's replica and measure the paired overhead."""
-    import torch
-
-    from adaptspec import Engine
     from adaptspec.serve.config import load_config
+    from adaptspec.serve.engine_proc import build_engine
     from adaptspec.serve.loadtest import bench_prompts, measure_overhead
 
-    cfg = load_config(config)
-    torch.set_num_threads(torch_threads or cfg.engine.torch_threads or max(1, int(cfg.target.num_cpus or 1)))
-    # the replica's drafters too, so both sides run the same engine (like for like; the
-    # head's per-step feature hand-off measured at nothing noticeable, see deploy/README.md)
-    draft = cfg.models.draft if cfg.placement == "colocated" and not target else None
-    engine = Engine.from_pretrained(target or cfg.models.target, draft=draft, dtype=cfg.models.dtype,
-                                    device=cfg.models.device, max_num_seqs=cfg.engine.max_num_seqs,
-                                    max_model_len=cfg.engine.max_model_len)
+    # the replica's builder, so both sides run the same engine with the replica's drafters
+    # (like for like; the head's per-step feature hand-off measured at nothing noticeable,
+    # see deploy/README.md)
+    engine = build_engine(load_config(config), target=target, torch_threads=torch_threads)
     prompts = [p for ps in bench_prompts().values() for p in ps][:n]
     return measure_overhead(client, engine, prompts, max_tokens, reps, health_checks=100)
 

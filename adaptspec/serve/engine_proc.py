@@ -43,16 +43,19 @@ from adaptspec.serve.types import PolicySnapshot, ReplicaState
 log = logging.getLogger(__name__)
 
 
-def build_engine(cfg: ServiceConfig):
-    """The replica's engine as the config says (torch threads, models, KV slots); either isolation."""
+def build_engine(cfg: ServiceConfig, *, target: str | None = None, torch_threads: int | None = None):
+    """The replica's engine as the config says (torch threads, models, KV slots); either isolation.
+    ``target`` / ``torch_threads`` override the config (the load test's in-process baseline;
+    another target means no draft)."""
     import torch
 
     from adaptspec import Engine
 
-    torch.set_num_threads(cfg.engine.torch_threads or max(1, int(cfg.target.num_cpus or 1)))
-    draft = cfg.models.draft if cfg.placement == "colocated" else None
-    return Engine.from_pretrained(cfg.models.target, draft=draft, dtype=cfg.models.dtype, device=cfg.models.device,
-                                  max_num_seqs=cfg.engine.max_num_seqs, max_model_len=cfg.engine.max_model_len)
+    torch.set_num_threads(torch_threads or cfg.engine.torch_threads or max(1, int(cfg.target.num_cpus or 1)))
+    draft = cfg.models.draft if cfg.placement == "colocated" and not target else None
+    return Engine.from_pretrained(target or cfg.models.target, draft=draft, dtype=cfg.models.dtype,
+                                  device=cfg.models.device, max_num_seqs=cfg.engine.max_num_seqs,
+                                  max_model_len=cfg.engine.max_model_len)
 
 
 def warn_slow_bf16(cfg: ServiceConfig) -> None:
