@@ -228,6 +228,7 @@ def _exit_with_the_replica(parent: int) -> None:
 
 def _die(why: str) -> None:
     """The engine thread died: exit, so the replica sees EOF and fails every caller."""
+    log.error("%s; the engine process exits", why)
     logging.shutdown()
     os._exit(1)
 

@@ -298,6 +298,7 @@ class Probes:
     def __init__(self, address: str, app_name: str, clients: int, ready_timeout_s: float = 60.0):
         self.clients = clients
         self.proc = None
+        self.t0: float | None = None  # set once every client is connected
         if clients <= 0:
             return
         # the child stops at EOF on its stdin, so it also stops if this process dies
@@ -313,7 +314,7 @@ class Probes:
         proc, self.proc = self.proc, None
         if proc is None:
             return None
-        seconds = time.perf_counter() - getattr(self, "t0", time.perf_counter())
+        seconds = time.perf_counter() - self.t0 if self.t0 is not None else 0.0
         try:
             out, _ = proc.communicate(timeout=30)  # closes stdin: the child stops and prints its counts
             calls, errors = (int(x) for x in out.split()[-2:])
