@@ -71,11 +71,30 @@ class ArmTable:
         return max(float(lengths[self.index(arm)]), floor)
 
 
+# how fast a class's fill (candidates proposed / asked for) forgets: per observed group
+FILL_DISCOUNT = 0.98
+FILL_PRIOR = 4.0  # candidates of "proposes all k" a class starts from (a weak prior)
+
+
 @dataclass(slots=True)
 class ClassSlot:
     share: float = 0.0  # fraction of the last step's decoding requests
     arm: Arm = NO_SPEC
     emitted_per_request: float = 1.0
+    # per drafter, discounted (candidates proposed, candidates asked for): n-gram lookup
+    # proposes nothing when the context has no match, so its requests verify fewer than k + 1
+    # tokens (the chat prompts: about a third of the candidates asked for at k = 2)
+    proposed: dict[str, list[float]] = field(default_factory=dict)
+
+    def fill(self, drafter: str) -> float:
+        """Expected fraction of the k candidates asked for that ``drafter`` proposes."""
+        p = self.proposed.get(drafter)
+        return 1.0 if p is None else (p[0] + FILL_PRIOR) / (p[1] + FILL_PRIOR)
+
+    def observe_proposed(self, drafter: str, drafted: int, asked: int) -> None:
+        p = self.proposed.setdefault(drafter, [0.0, 0.0])
+        p[0] = p[0] * FILL_DISCOUNT + drafted
+        p[1] = p[1] * FILL_DISCOUNT + asked
 
 
 @dataclass(slots=True)
@@ -102,6 +121,11 @@ class BatchPicture:
         seen: dict[str, tuple[int, int, Arm, int]] = {}
         for g in step.groups:
             n = g.num_requests
+            if g.arm.k > 0 and n > 0:
+                slot = self.classes.get(g.request_class)
+                if slot is None:
+                    slot = self.classes[g.request_class] = ClassSlot()
+                slot.observe_proposed(g.arm.drafter, g.drafted, g.arm.k * n)
             tot, emi, arm, best = seen.get(g.request_class, (0, 0, g.arm, 0))
             if n > best:
                 arm, best = g.arm, n
@@ -128,6 +152,7 @@ class _Mix:
     """The rest of the batch as seen by one class, per request of the others."""
 
     share: float  # this class's fraction of decoding requests
+    own_tokens: np.ndarray  # [A] verify tokens per request of this class with each arm (1 + proposed)
     tokens: float  # verify tokens per other request
     emitted: float  # emitted tokens per other request
     draft: np.ndarray  # [K] fraction of other requests drafting with the draft model at j
@@ -162,6 +187,7 @@ class Planner:
         tokens = emitted = ngram = 0.0
         draft = np.zeros(K)
         budget = np.inf
+        own = self._own_tokens(mine)
         for c, s in slots.items():
             if c == request_class or s.share <= 0 or other_total <= 0:
                 continue
@@ -171,15 +197,24 @@ class Planner:
                 L_b = others_budget.get(c, L_c) if others_budget is not None else L_c
                 budget = min(budget, self.margin * tgt.tpot_s * L_b)
             w = s.share / other_total
-            tokens += w * (s.arm.k + 1)
+            tokens += w * (1.0 + s.fill(s.arm.drafter) * s.arm.k)
             emitted += w * L_c
             if s.arm.drafter == "draft":
                 draft[: s.arm.k] += w
             elif s.arm.drafter == "ngram":
                 ngram += w
-        mix = self._mixes[request_class] = _Mix(share, tokens, emitted, draft, ngram, int(np.count_nonzero(draft)),
-                                                budget)
+        mix = self._mixes[request_class] = _Mix(share, own, tokens, emitted, draft, ngram,
+                                                int(np.count_nonzero(draft)), budget)
         return mix
+
+    def _own_tokens(self, slot: ClassSlot | None) -> np.ndarray:
+        """[A] verify tokens per request of a class with each arm: 1 + the candidates its
+        drafter is expected to propose (k + 1 until the class has shown otherwise)."""
+        t = self.table
+        if slot is None or not slot.proposed:
+            return t.kp1
+        f = np.where(t.is_ngram, slot.fill("ngram"), np.where(t.is_draft, slot.fill("draft"), 0.0))
+        return 1.0 + f * t.k
 
     def plan(
         self,
@@ -223,6 +258,7 @@ class Planner:
         ctx = load.context_tokens or picture.context_per_request * B
         K = t.below_k.shape[1]
         col = np.empty((6, C, 1))  # per class: verify base, n_c, n-gram base, emitted base, TPOT scale, budget
+        own_tokens = np.empty((C, len(t.arms)))
         draft_other = np.empty((C, K))
         depth = np.empty(C, dtype=np.intp)  # the draft forwards the others need (0 when there are none)
         for i, c in enumerate(classes):
@@ -231,12 +267,13 @@ class Planner:
             n_o = max(B - n_c, 0.0)
             tgt = self.targets.get(c)
             draft_other[i] = n_o * mix.draft
+            own_tokens[i] = mix.own_tokens
             depth[i] = mix.depth if n_o > 0 else 0
             col[:, i, 0] = (picture.prefill_tokens + n_o * mix.tokens, n_c, n_o * mix.ngram, n_o * mix.emitted,
                             self.margin * tgt.tpot_s if tgt is not None and tgt.tpot_s is not None else np.inf,
                             mix.budget)
         verify0, n_c, ngram0, emitted0, scale, budget = col
-        verify = verify0 + n_c * t.kp1
+        verify = verify0 + n_c * own_tokens
         ngram = ngram0 + n_c * t.ngram_f
         if getattr(cost, "batched", False):
             T = cost.predict(verify, ctx, draft_other, n_c, t.k_draft, ngram, ctx / B, draft_depth=depth)

@@ -2,7 +2,8 @@
 
 The live engine and the simulator fill the same dataclasses. The engine reports, per step,
 ``batch_size, num_prefill, verify_tokens, context_tokens, draft_s, verify_s, other_s,
-wall_s`` and, per request, ``request_id, request_class, drafter, k, accepted, emitted``;
+wall_s`` and, per request, ``request_id, request_class, drafter, k, accepted, emitted,
+drafted``;
 ``StepOutcome.from_requests`` is the whole adapter. The simulator, which must be fast,
 fills ``StepOutcome.groups`` directly with per-(class, arm) histograms of accepted tokens.
 """
@@ -57,9 +58,10 @@ class RequestOutcome:
     request_id: str
     request_class: str
     drafter: str
-    k: int  # drafted
+    k: int  # candidates asked for (the arm's k)
     accepted: int
     emitted: int  # accepted + 1 unless the request stopped inside the block
+    drafted: int = -1  # candidates actually proposed (n-gram lookup often finds fewer); -1: k
 
 
 @dataclass(slots=True)
@@ -71,10 +73,15 @@ class GroupOutcome:
     accepted_hist: np.ndarray  # [k + 1] number of requests that accepted exactly j drafted
     emitted: int  # tokens emitted by these requests in this step
     num_requests: int = -1  # the histogram's total; computed from it when not given
+    # candidates these requests proposed: fewer than k per request when n-gram lookup finds no
+    # (or a short) match, and then the verification pass carries fewer tokens; -1: k each
+    drafted: int = -1
 
     def __post_init__(self) -> None:
         if self.num_requests < 0:  # read many times per step by every policy: count once
             self.num_requests = int(self.accepted_hist.sum())
+        if self.drafted < 0:
+            self.drafted = self.arm.k * self.num_requests
 
     @property
     def accepted(self) -> int:
@@ -114,12 +121,16 @@ class StepOutcome:
         """The engine adapter: aggregate per-request outcomes into groups."""
         acc: dict[tuple[str, Arm], list[int]] = {}
         emitted: dict[tuple[str, Arm], int] = {}
+        drafted: dict[tuple[str, Arm], int] = {}
         for r in requests:
             key = (r.request_class, Arm(r.drafter, r.k))
-            acc.setdefault(key, []).append(min(r.accepted, key[1].k))
+            k = key[1].k
+            acc.setdefault(key, []).append(min(r.accepted, k))
             emitted[key] = emitted.get(key, 0) + r.emitted
+            drafted[key] = drafted.get(key, 0) + (min(r.drafted, k) if r.drafted >= 0 else k)
         groups = [
-            GroupOutcome(c, arm, np.bincount(np.asarray(a, dtype=np.int64), minlength=arm.k + 1), emitted[(c, arm)])
+            GroupOutcome(c, arm, np.bincount(np.asarray(a, dtype=np.int64), minlength=arm.k + 1), emitted[(c, arm)],
+                         len(a), drafted[(c, arm)])
             for (c, arm), a in acc.items()
         ]
         return cls(batch_size, num_prefill, verify_tokens, context_tokens, draft_s, verify_s,
@@ -132,7 +143,7 @@ class StepOutcome:
         The engine prefills in its own pass, so its ``verify_tokens``/``verify_s`` cover the
         verification pass only and its prefill time is counted with the host overhead.
         """
-        reqs = [RequestOutcome(r.request_id, r.request_class, r.drafter, r.k, r.accepted, r.emitted)
+        reqs = [RequestOutcome(r.request_id, r.request_class, r.drafter, r.k, r.accepted, r.emitted, r.drafted)
                 for r in st.requests]
         return cls.from_requests(
             reqs, batch_size=st.batch_size, num_prefill=0, verify_tokens=st.verify_tokens,

@@ -43,6 +43,13 @@ def test_step_outcome_from_requests_groups_by_class_and_arm():
     assert chat.accepted_hist.tolist() == [1, 0, 1, 0, 1]
     assert chat.num_requests == 3 and chat.accepted == 6 and chat.emitted == 9
     assert groups[("code", "ngram:2")].accepted_hist.tolist() == [0, 1, 0]
+    # without the proposed count a request is taken to have proposed all k
+    assert chat.drafted == 12 and groups[("code", "ngram:2")].drafted == 2
+    short = StepOutcome.from_requests([RequestOutcome("e", "code", "ngram", 4, 0, 1, 0),
+                                       RequestOutcome("f", "code", "ngram", 4, 1, 2, 2)],
+                                      batch_size=2, num_prefill=0, verify_tokens=5, context_tokens=10,
+                                      draft_s=0.0, verify_s=0.01, other_s=0.0, wall_s=0.01)
+    assert short.groups[0].drafted == 2 and short.groups[0].num_requests == 2
 
 
 def test_successes_and_failures_per_position():
@@ -198,4 +205,41 @@ def test_adapter_from_engine_step_stats_fields():
     out = StepOutcome.from_step_stats(st)
     (g,) = out.groups
     assert g.arm == Arm("ngram", 3) and g.accepted_hist.tolist() == [1, 0, 1, 0] and g.emitted == 4
+    assert g.drafted == 5  # proposed, not asked for (2 x 3)
     assert out.other_s == pytest.approx(0.012) and out.queued == 4 and out.verify_tokens == 8
+
+
+def test_planner_charges_n_gram_arms_for_the_candidates_the_class_actually_proposes():
+    """n-gram lookup proposes nothing without a match: a class whose requests propose a
+    third of the candidates they ask for verifies 1 + k / 3 tokens a request, not k + 1."""
+    from adaptspec.control import GroupOutcome
+
+    class Linear:  # step time: 5 ms + 1 ms per verified token
+        def predict(self, verify, ctx, draft_other, n_class, k_draft, ngram, mean_ctx):
+            return 0.005 + 0.001 * np.asarray(verify, dtype=float)
+
+    table = ArmTable.build(("ngram",), 4)
+    L = np.concatenate([[1.0], 1.0 + 0.35 * table.k[1:]])  # 0.35 tokens gained per candidate
+    ng2 = table.index(Arm("ngram", 2))
+
+    def step(drafted: int | None) -> StepOutcome:
+        g = GroupOutcome("chat", Arm("ngram", 2), np.array([7, 1, 0]), 9, drafted=-1 if drafted is None else drafted)
+        return StepOutcome(8, 0, 8 + g.drafted, 800, 0.0, 0.02, 0.0, 0.02, [g])
+
+    def verify_tokens(drafted):
+        picture = BatchPicture()
+        for _ in range(200):
+            picture.observe(step(drafted))
+        planner = Planner(table, {})
+        arm = planner.plan("chat", Load(8), picture, L, {}, Linear())
+        return planner._mix("chat", picture, {}, None).own_tokens, arm
+
+    full, arm_full = verify_tokens(None)  # proposes all k: k + 1 tokens, as before
+    assert full.tolist() == (table.k + 1).tolist()
+    third, arm_third = verify_tokens(5)  # 5 of the 16 asked for
+    assert third[ng2] == pytest.approx(1 + 2 * 5 / 16, rel=0.02)
+    assert third[0] == 1.0
+    # goodput 8 (1 + 0.35 k) / (13 ms + 8 f k ms) against 8 / 13 ms without drafting: better
+    # only when 0.35 > 8 f / 13, i.e. f < 0.57: not when every candidate is verified (f = 1)
+    assert table.k[arm_full] == 0
+    assert table.arms[arm_third].drafter == "ngram"
