@@ -19,16 +19,23 @@ each call, so a step spends most of its time without it (the service's event loo
 meanwhile).
 
 Where it is used (``default_matmul``): bfloat16 and float32 models on the CPU (``mode``),
-bf16 computed in fp32 (weight-only bf16, see ``LlamaModel``). Packed fp32 weights also keep
-a copy as torch has it, and one-row products (decoding one token) and prefills (more than
-``MAX_ROWS_F32`` rows) go to the BLAS, whose matrix-vector path reads fp32 weights about 6%
-faster than this kernel does; 2-64 rows (verifying k + 1 candidates, a batch) go to the
-kernel, where the BLAS packs panels and slows down 1.6-2x. The price is twice the fp32
-weight memory (SmolLM2-135M: 0.54 GB more). Measured on this project's 2-core machine
-(SmolLM2-135M, one sequence over 200 cached tokens, ``python -m
+bf16 computed in fp32 (weight-only bf16, see ``LlamaModel``). fp32: 1 to ``MAX_ROWS_F32``
+rows (decoding, verifying k + 1 candidates, a batch) on the kernel, where the BLAS packs
+panels and slows down 1.6-2x from 2 rows on; prefills (more rows) on the BLAS, so packed fp32
+weights also keep a copy as torch has it: twice the fp32 weight memory (SmolLM2-135M: 0.54 GB
+more). One row is the CPU's call: on the Xeon this project ran on until 2026-11-30 the BLAS's
+matrix-vector path read fp32 weights about 6% faster than this kernel (21.5 / 22.8 ms over
+all of SmolLM2's weights); on the AMD EPYC it runs on since, a one-token forward took 34.0 ms
+with the BLAS and 20.4 ms on the kernel (``python -m adaptspec.models.forward_bench --dtype
+float32 --layouts packed``, ``ADAPTSPEC_CPU_ONE_ROW=blas|kernel``, two runs each). The kernel
+is the default because it also makes a row's result independent of the other rows: a token
+decoded alone and the same token verified among k + 1 candidates get bitwise the same
+logits. ``ADAPTSPEC_CPU_ONE_ROW=blas`` sends one-row products to the BLAS.
+Measured on the Xeon (SmolLM2-135M, one sequence over 200 cached tokens, ``python -m
 adaptspec.models.forward_bench --dtype float32 --layouts packed,fast``), an fp32 target
-forward of 1 / 2 / 5 / 9 tokens (two runs): 27.3-30.7 / 30.2-31.6 / 32.7-34.8 / 37.7-39.4 ms
-like this, 27.9-29.1 / 40.8-41.1 / 46.2-51.3 / 57.8-62.5 ms with every matmul on torch. ``ADAPTSPEC_CPU_KERNEL=bf16`` keeps fp32 matmuls on
+forward of 1 / 2 / 5 / 9 tokens (two runs, one row on the BLAS): 27.3-30.7 / 30.2-31.6 /
+32.7-34.8 / 37.7-39.4 ms like this, 27.9-29.1 / 40.8-41.1 / 46.2-51.3 / 57.8-62.5 ms with
+every matmul on torch. ``ADAPTSPEC_CPU_KERNEL=bf16`` keeps fp32 matmuls on
 torch (the default until the fp32 kernel's prefetch was fixed; with the old kernel the
 service's adaptive controller lost to the best static arm at 16 clients, deploy/README.md
 run 11), ``ADAPTSPEC_CPU_KERNEL=0`` turns the C kernels off.
@@ -57,6 +64,17 @@ MAX_ROWS_F32 = 64
 # bf16 has no such cap: without AVX512-BF16 torch's bf16 GEMM is the slow one at every size
 # (576 x 3072 bf16 weight, 600 / 1600 rows: kernel 9.0 / 26.6 ms, torch 58.5 / 168 ms), and
 # batched prefills of long prompts pass 512 rows.
+
+def _one_row_on_blas() -> bool:
+    """``ADAPTSPEC_CPU_ONE_ROW``: "kernel" (the default) or "blas": where one-row fp32
+    products (decoding one token per sequence) go. Read once, at import."""
+    v = os.environ.get("ADAPTSPEC_CPU_ONE_ROW", "kernel").lower()
+    if v not in ("kernel", "blas"):
+        raise ValueError(f"ADAPTSPEC_CPU_ONE_ROW={v!r}: use kernel or blas")
+    return v == "blas"
+
+
+ONE_ROW_BLAS = _one_row_on_blas()
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -307,7 +325,7 @@ def matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
     and conversions cost 2-3 ms more over those calls (fp32 rows, a throwaway timing)."""
     x2 = x if x.dim() == 2 else x.reshape(-1, w.in_features)
     m = x2.shape[0]
-    if w.rows is not None and (m == 1 or m > MAX_ROWS_F32):  # the BLAS: one row, or a GEMM's worth
+    if w.rows is not None and (m > MAX_ROWS_F32 or (m == 1 and ONE_ROW_BLAS)):  # the BLAS: a GEMM's worth
         y = x2 @ w.rows
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], w.out_features)
     bf16 = w.blocks.dtype == torch.bfloat16

@@ -132,9 +132,9 @@ class LlamaModel:
         self.norm = w["model.norm.weight"].to(ct)
         if matmul == "packed":
             cpu_gemm.enabled()  # build/load once, before the first forward
-            # fp32 also keeps each weight as torch has it, for one-row products (decoding one
-            # token: the BLAS reads fp32 weights ~10% faster than the kernel) and prefills:
-            # twice the weight memory, for the fastest decode step and verification both
+            # fp32 also keeps each weight as torch has it, for prefills (the BLAS's GEMM) and,
+            # with ADAPTSPEC_CPU_ONE_ROW=blas, one-row products (cpu_gemm's docstring): twice
+            # the weight memory
             lay = lambda t: cpu_gemm.pack(t.t(), blas_copy=dtype == torch.float32)  # noqa: E731
         elif self.fast:
             lay = lambda t: t.t().contiguous()  # noqa: E731

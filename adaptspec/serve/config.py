@@ -107,7 +107,8 @@ class ControllerOptions(_Strict):
     cost_profile: str | None = Field(
         "auto", description="step-cost prior for the model-based policy: a built-in profile name "
                             "(e.g. cpu-smollm2-135m-fp32), a path to an `adaptspec calibrate` JSON, `auto` "
-                            "(the built-in CPU SmolLM2 profile when that is what runs) or null (learn online only)")
+                            "(when SmolLM2-135M runs on the CPU: its step costs as measured on the project's "
+                            "test box, adaptspec/data/profiles) or null (learn online only)")
 
     @field_validator("policy")
     @classmethod

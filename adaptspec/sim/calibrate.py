@@ -29,9 +29,15 @@ class StepSample:
 
 
 def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_capacity_tokens: int,
-                max_batched_tokens: int) -> ProfileFile:
+                max_batched_tokens: int, context_term: bool = True) -> ProfileFile:
     """Least squares: verify_s = table(verify_tokens) + c * context; draft_s / k per forward
-    at each batch size; n-gram seconds per request; overhead = median other_s."""
+    at each batch size; n-gram seconds per request; overhead = median other_s.
+
+    ``context_term=False`` fits the table alone (the median verify time at each token count,
+    at the context the measured batches had). On the CPU a step's context grows with its
+    batch and so do its tokens, and the joint fit can hand a batch's per-request cost to the
+    context and leave the table flat (SmolLM2 fp32: 1 to 18 tokens at one price), which
+    tells a policy choosing k that candidates are free; the table alone keeps their price."""
     if not samples:
         raise ValueError("calibrate: no steps were measured")
     tokens = np.array([s.verify_tokens for s in samples])
@@ -40,12 +46,14 @@ def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_c
     X[np.arange(len(samples)), np.searchsorted(levels, tokens)] = 1.0
     X[:, -1] = [s.context_tokens for s in samples]
     y = np.array([s.verify_s for s in samples])
-    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    coef, _, rank, _ = np.linalg.lstsq(X, y, rcond=None)
     ctx = float(coef[-1])
-    if not ctx >= 0.0:  # context and tokens moved together (or noise): fit the tokens alone
+    # context and tokens moved together (rank-deficient: any split fits), or noise: the tokens alone
+    if not context_term or rank < X.shape[1] or not ctx >= 0.0:
         coef = np.array([np.median(y[tokens == v]) for v in levels] + [0.0])
         ctx = 0.0
-    verify = np.maximum.accumulate(np.maximum(coef[:-1], 1e-6))  # more tokens never cost less
+    weights = np.array([np.count_nonzero(tokens == v) for v in levels], dtype=float)
+    verify = np.maximum(_isotonic(coef[:-1], weights), 1e-6)  # more tokens never cost less
     draft = [s for s in samples if s.drafter == "draft" and s.k > 0]
     batches = sorted({s.batch_size for s in draft})
     draft_s = [float(np.median([s.draft_s / s.k for s in draft if s.batch_size == b])) for b in batches]
@@ -63,7 +71,7 @@ def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_c
 
 def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: str, repeats: int,
               batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), ks: tuple[int, ...] = (1, 2, 4, 8),
-              prompt_tokens: int = 128) -> Path:
+              prompt_tokens: int = 128, context_term: bool = True) -> Path:
     try:
         from adaptspec import Engine, SamplingParams, SpecConfig
     except Exception as e:  # pragma: no cover - depends on the install
@@ -104,6 +112,21 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
                     f"{x.draft_s:.6f},{x.other_s:.6f}\n")
     kv = max_seqs * engine.config.max_model_len
     prof = fit_profile(samples, name=f"{target} + {draft or 'no draft'} on {device} ({dtype}), calibrated",
-                       max_num_seqs=max_seqs, kv_capacity_tokens=kv, max_batched_tokens=max(prompt_tokens * max_seqs, 512))
+                       max_num_seqs=max_seqs, kv_capacity_tokens=kv, max_batched_tokens=max(prompt_tokens * max_seqs, 512),
+                       context_term=context_term)
     ProfileCostModel(prof).save(out)
     return Path(out)
+
+
+def _isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The non-decreasing sequence closest to ``y`` in weighted least squares (pool adjacent
+    violators): one slow level pools with its neighbours instead of lifting every level after
+    it, as a running maximum would."""
+    blocks: list[list[float]] = []  # [weighted mean, weight, count]
+    for v, wt in zip(y.tolist(), w.tolist()):
+        blocks.append([v, wt, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return np.array([m for m, _, n in blocks for _ in range(n)])

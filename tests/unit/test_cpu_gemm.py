@@ -120,21 +120,77 @@ def test_bfloat16_packed_computes_in_fp32_on_bf16_weights(tiny_dir):
 
 
 @needs_kernel
-def test_fp32_blas_copy_takes_one_row_and_prefills():
-    """fp32 packed weights keep torch's copy for one-row products and prefills (the BLAS is
-    faster there); 2-64 rows go to the kernel; both give the product."""
+def test_fp32_blas_copy_takes_prefills_and_one_row_only_when_asked(monkeypatch):
+    """fp32 packed weights keep torch's copy for prefills (more than MAX_ROWS_F32 rows: the
+    BLAS's GEMM is faster there); 1-64 rows go to the kernel, one-row products to the BLAS
+    only with ADAPTSPEC_CPU_ONE_ROW=blas (``ONE_ROW_BLAS``); every path gives the product."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(70, 96, generator=g)
     pw = cpu_gemm.pack(w, blas_copy=True)
     assert pw.rows is not None and torch.equal(pw.rows, w)
     assert cpu_gemm.pack(w.bfloat16(), blas_copy=True).rows is None  # bf16: the kernel only
     x = torch.randn(3, 70, generator=g)
+    bad = cpu_gemm.PackedWeight(pw.blocks, 70, 96, torch.zeros(70, 96))  # tells which copy was read
+    assert not cpu_gemm.ONE_ROW_BLAS  # the default
+    for rows in (x[:1], x):
+        assert (cpu_gemm.matmul(rows, pw) - rows @ w).abs().max() < 1e-4
+        assert torch.count_nonzero(cpu_gemm.matmul(rows, bad)) > 0
+    monkeypatch.setattr(cpu_gemm, "ONE_ROW_BLAS", True)
     assert torch.equal(cpu_gemm.matmul(x[:1], pw), x[:1] @ w)
-    assert (cpu_gemm.matmul(x, pw) - x @ w).abs().max() < 1e-4
-    # the one-row path really reads the copy: a different copy gives a different product
-    bad = cpu_gemm.PackedWeight(pw.blocks, 70, 96, torch.zeros(70, 96))
     assert torch.count_nonzero(cpu_gemm.matmul(x[:1], bad)) == 0
     assert torch.count_nonzero(cpu_gemm.matmul(x, bad)) > 0
-    many = torch.randn(cpu_gemm.MAX_ROWS_F32 + 1, 70, generator=g)  # a prefill: the BLAS too
+    many = torch.randn(cpu_gemm.MAX_ROWS_F32 + 1, 70, generator=g)  # a prefill: the BLAS
     assert torch.equal(cpu_gemm.matmul(many, pw), many @ w)
     assert torch.count_nonzero(cpu_gemm.matmul(many, bad)) == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_row_of_the_kernel_does_not_depend_on_the_other_rows(dtype):
+    """Each row's product is the same sequence of operations whatever M is, so decoding one
+    token and verifying it among k + 1 candidates give bitwise the same result (the BLAS's
+    one-row path does not: the negative control)."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(576, 200, generator=g).to(dtype)
+    pw = cpu_gemm.pack(w, blas_copy=True)
+    x = torch.randn(13, 576, generator=g)
+    full = cpu_gemm.matmul(x, pw)
+    for m in (1, 2, 5, 8, 9):
+        assert torch.equal(cpu_gemm.matmul(x[:m], pw), full[:m])
+    if dtype == torch.float32:
+        assert not torch.equal(x[:1] @ w, full[:1])
+
+
+@needs_kernel
+def test_fp32_decoding_alone_and_verifying_among_candidates_give_bitwise_the_same_logits(tiny_dir):
+    """With one-row products on the kernel (the default) every decode/verify operation works
+    row by row, so the same tokens fed one step at a time or as one 5-token verification
+    (next to another request in the batch) give identical logits; with one row on the BLAS
+    they differ in rounding (the negative control)."""
+    from tests.unit.test_llama_forward import _ours
+
+    ids = torch.randint(0, 16, (1, 15), generator=torch.Generator().manual_seed(4))
+    other = torch.randint(0, 16, (1, 15), generator=torch.Generator().manual_seed(5))
+
+    def both(m):
+        m.forward(ids[:, :10], [0], [0], [10])
+        m.forward(ids[:, :10], [1], [0], [10])
+        m.forward(other[:, :10], [2], [0], [10])
+        one = torch.cat([m.forward(ids[:, 10 + t: 11 + t], [0], [10 + t], [1])[0] for t in range(5)])
+        batch = torch.cat([ids[:, 10:15], other[:, 10:15]])
+        many, _ = m.forward(batch, [1, 2], [10, 10], [5, 3])
+        return one, many[:5]
+
+    _, m = _ours(tiny_dir, "packed")
+    one, many = both(m)
+    assert torch.equal(one, many)
+    import adaptspec.models.cpu_gemm as cg
+
+    old = cg.ONE_ROW_BLAS
+    try:
+        cg.ONE_ROW_BLAS = True
+        _, m = _ours(tiny_dir, "packed")
+        one, many = both(m)
+        assert not torch.equal(one, many) and (one - many).abs().max() < 1e-4
+    finally:
+        cg.ONE_ROW_BLAS = old

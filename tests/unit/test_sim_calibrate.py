@@ -41,3 +41,30 @@ def test_fit_profile_falls_back_to_tokens_alone_when_context_is_confounded():
     prof = fit_profile(samples, name="x", max_num_seqs=6, kv_capacity_tokens=100, max_batched_tokens=64)
     assert prof.verify_context_s_per_token >= 0.0
     assert all(0.03 < v < 0.06 for v in prof.verify_s)
+
+
+def test_fit_profile_without_the_context_term_keeps_the_price_of_tokens():
+    # per-request cost rises with the batch, and so do context and tokens: the joint fit may
+    # put it all on the context; the table alone keeps a candidate's price at a fixed batch
+    samples = []
+    for b in (1, 2, 4):
+        for k in (0, 1, 3):
+            tokens, ctx = b * (k + 1), 200 * b
+            samples.append(StepSample(b, "ngram" if k else "none", k, tokens, ctx, 0.02 + 0.001 * tokens + 0.002 * b,
+                                      1e-4 * b if k else 0.0, 0.001))
+    prof = fit_profile(samples, name="x", max_num_seqs=4, kv_capacity_tokens=1000, max_batched_tokens=64,
+                       context_term=False)
+    assert prof.verify_context_s_per_token == 0.0
+    assert all(b > a for a, b in zip(prof.verify_s, prof.verify_s[1:])) or prof.verify_s == sorted(prof.verify_s)
+    m = ProfileCostModel(prof)
+    assert m.verify_s(16, 0) > m.verify_s(4, 0) + 0.01  # 12 more tokens are not free
+
+
+def test_isotonic_fit_pools_a_slow_level_with_its_neighbours():
+    from adaptspec.sim.calibrate import _isotonic
+
+    y = np.array([1.0, 2.0, 9.0, 3.0, 4.0, 10.0])
+    out = _isotonic(y, np.ones(6))
+    assert out.tolist() == pytest.approx([1.0, 2.0, 16 / 3, 16 / 3, 16 / 3, 10.0])
+    assert np.maximum.accumulate(y).tolist() == [1, 2, 9, 9, 9, 10]  # what a running maximum gives
+    assert _isotonic(np.array([3.0, 1.0]), np.array([1.0, 3.0])).tolist() == pytest.approx([1.5, 1.5])
