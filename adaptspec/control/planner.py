@@ -145,6 +145,7 @@ class BatchPicture:
 # times agree within 1-3%), so finer distinctions are noise and throughput breaks them
 RATIO_TIE = 0.02
 REFRESH_STEPS = 4  # the batch mix changes slowly: recompute it every few observed steps
+_NO_K = np.zeros(1)  # "k_draft" of a whole-batch prediction (one array: the cost model caches by its id)
 
 
 @dataclass(slots=True)
@@ -307,4 +308,43 @@ class Planner:
                 close = r <= np.minimum.reduce(r, axis=1, keepdims=True) * (1.0 + RATIO_TIE)
                 fallback = np.where(close, goodput, -np.inf).argmax(axis=1)
             out = np.where(stuck, fallback, out)
-        return out.tolist()
+        return self._share_the_draft(out.tolist(), classes, load, picture, accepted_length, cost, goodput,
+                                     own_tokens)
+
+    def _share_the_draft(self, out: list[int], classes: list[str], load: Load, picture: BatchPicture,
+                         accepted_length: np.ndarray, cost: StepCostModel, goodput: np.ndarray,
+                         own_tokens: np.ndarray) -> list[int]:
+        """Reconsider, jointly, the classes that chose the draft model.
+
+        Each class is planned against the batch picture, where the others keep their arms, so
+        a draft forward that another class pays for looks nearly free to it: two classes on
+        the draft model each see it as cheap and neither sees the move of both leaving it (no
+        draft forward at all). When the deciding classes are the whole batch and none has a
+        latency target, this prices the whole step for every subset of the drafting classes
+        moving to their best arm without the draft model and keeps the best goodput (the
+        empty subset is the per-class plan)."""
+        t = self.table
+        drafting = [i for i, a in enumerate(out) if t.is_draft[a]]
+        if not drafting or self.targets:
+            return out
+        deciding = set(classes)
+        if any(s.share > 0 and c not in deciding for c, s in picture.classes.items()):
+            return out
+        B = max(load.batch_size, 1)
+        n = np.array([B * self._mixes[c].share for c in classes])
+        alt = np.where(t.is_draft, -np.inf, goodput[drafting]).argmax(axis=1)
+        leave = (np.arange(1 << len(drafting))[:, None] >> np.arange(len(drafting))) & 1  # [R, D] subsets
+        arms = np.tile(np.asarray(out), (leave.shape[0], 1))
+        arms[:, drafting] = np.where(leave == 1, alt, arms[:, drafting])
+        rows = np.arange(len(classes))
+        verify = picture.prefill_tokens + (n * own_tokens[rows, arms]).sum(axis=1)
+        draft = (n[None, :, None] * (t.below_k[arms] & t.is_draft[arms][..., None])).sum(axis=1)  # [R, K]
+        ngram = (n * t.is_ngram[arms]).sum(axis=1)
+        emitted = (n * accepted_length[rows, arms]).sum(axis=1)
+        ctx = load.context_tokens or picture.context_per_request * B
+        if getattr(cost, "batched", False):
+            T = cost.predict(verify[:, None], ctx, draft, np.zeros((len(arms), 1)), _NO_K, ngram[:, None], ctx / B)[:, 0]
+        else:
+            T = np.array([float(np.ravel(cost.predict(v, ctx, d, 0.0, _NO_K, g, ctx / B))[0])
+                          for v, d, g in zip(verify, draft, ngram)])
+        return arms[int(np.argmax(emitted / T))].tolist()

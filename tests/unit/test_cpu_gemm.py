@@ -162,7 +162,7 @@ def test_a_row_of_the_kernel_does_not_depend_on_the_other_rows(dtype):
 
 
 @needs_kernel
-def test_fp32_decoding_alone_and_verifying_among_candidates_give_bitwise_the_same_logits(tiny_dir):
+def test_fp32_decoding_alone_and_verifying_among_candidates_give_bitwise_the_same_logits(tiny_dir, monkeypatch):
     """With one-row products on the kernel (the default) every decode/verify operation works
     row by row, so the same tokens fed one step at a time or as one 5-token verification
     (next to another request in the batch) give identical logits; with one row on the BLAS
@@ -184,13 +184,7 @@ def test_fp32_decoding_alone_and_verifying_among_candidates_give_bitwise_the_sam
     _, m = _ours(tiny_dir, "packed")
     one, many = both(m)
     assert torch.equal(one, many)
-    import adaptspec.models.cpu_gemm as cg
-
-    old = cg.ONE_ROW_BLAS
-    try:
-        cg.ONE_ROW_BLAS = True
-        _, m = _ours(tiny_dir, "packed")
-        one, many = both(m)
-        assert not torch.equal(one, many) and (one - many).abs().max() < 1e-4
-    finally:
-        cg.ONE_ROW_BLAS = old
+    monkeypatch.setattr(cpu_gemm, "ONE_ROW_BLAS", True)
+    _, m = _ours(tiny_dir, "packed")
+    one, many = both(m)
+    assert not torch.equal(one, many) and (one - many).abs().max() < 1e-4
