@@ -322,9 +322,9 @@ class Planner:
         draft forward at all). When the deciding classes are the whole batch and none has a
         latency target, this prices the whole step for every subset of the drafting classes
         moving to their best arm without the draft model and keeps the best goodput (the
-        empty subset is the per-class plan). Only when each drafting class has at least one
-        request in a step on average: at one client the classes take turns, each step pays
-        its own draft forward, and the per-class plan already charges it in full."""
+        empty subset is the per-class plan). Only for steps of two requests or more: at one
+        client the classes take turns, each step pays its own draft forward, and the
+        per-class plan already charges it in full."""
         if self.targets:
             return out
         t = self.table
@@ -335,9 +335,9 @@ class Planner:
         if any(s.share > 0 and c not in deciding for c, s in picture.classes.items()):
             return out
         B = max(load.batch_size, 1)
-        n = np.array([B * self._mixes[c].share for c in classes])
-        if n[drafting].min() < 1.0:  # under a request a step: the classes seldom share a step's forward
+        if B < 2:  # one request a step: the classes take turns and share no forward
             return out
+        n = np.array([B * self._mixes[c].share for c in classes])
         alt = np.where(t.is_draft, -np.inf, goodput[drafting]).argmax(axis=1)
         leave = (np.arange(1 << len(drafting))[:, None] >> np.arange(len(drafting))) & 1  # [R, D] subsets
         arms = np.tile(np.asarray(out), (leave.shape[0], 1))
