@@ -25,20 +25,30 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--layouts", default="packed,fast",
                     help="packed (the CPU kernel), fast (torch), reference; a '-unfused' suffix runs the "
-                         "decode/verify layers on torch ops instead of the C layer ops")
+                         "decode/verify layers on torch ops instead of the C layer ops; '-widened' packs "
+                         "bf16 weights widened to fp32 (fp32 inputs) instead of in pairs (VDPBF16PS)")
     ap.add_argument("--cached", type=int, default=200)
     ap.add_argument("--prefill", type=int, default=150)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)
     a = ap.parse_args(argv)
 
+    from adaptspec.models import cpu_gemm
     from adaptspec.models.loader import load_model
 
     torch.set_num_threads(a.threads)
     models = {}
     for lay in a.layouts.split(","):
-        m = load_model(a.target, dtype=a.dtype, matmul=lay.removesuffix("-unfused"), quiet=True).model
-        m.fused = m.fused and not lay.endswith("-unfused")
+        base, _, suffix = lay.partition("-")
+        if suffix not in ("", "unfused", "widened"):
+            raise SystemExit(f"--layouts: unknown suffix in {lay!r} (-unfused, -widened)")
+        dot = cpu_gemm.BF16_DOT
+        cpu_gemm.BF16_DOT = dot and suffix != "widened"  # bf16 weights packed widened, not in pairs
+        try:
+            m = load_model(a.target, dtype=a.dtype, matmul=base, quiet=True).model
+        finally:
+            cpu_gemm.BF16_DOT = dot
+        m.fused = m.fused and suffix != "unfused"
         m.allocate_cache(2, a.cached + a.prefill + max(SIZES) + 1)
         m.forward(torch.randint(0, 1000, (1, a.cached)), [0], [0], [a.cached],
                   logits_rows=torch.tensor([a.cached - 1]))

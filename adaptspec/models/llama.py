@@ -118,12 +118,14 @@ class LlamaModel:
         self.matmul = matmul
         self.fast = matmul != "reference"  # weights [in, out]: x @ w
         self.dtype = dtype  # of the weights
-        # bf16 weights on the CPU kernel compute in fp32 (weight-only bf16): the kernel widens
-        # the weights and accumulates in fp32 anyway, and torch's bf16 elementwise ops, norms
-        # and attention on the CPU cost more than fp32 ones (each converts). Measured on
-        # SmolLM2-135M, one sequence over 200 cached tokens: a 1 / 5 / 9-token forward 39.1 /
-        # 41.3 / 51.6 ms with bf16 activations, 32.1 / 35.3 / 40.4 ms with fp32 ones. The KV
-        # cache, norms, hidden states and logits are then fp32.
+        # bf16 weights on the CPU kernel compute in fp32: the kernel accumulates in fp32 anyway,
+        # and torch's bf16 elementwise ops, norms and attention on the CPU cost more than fp32
+        # ones (each converts). Measured on SmolLM2-135M, one sequence over 200 cached tokens: a
+        # 1 / 5 / 9-token forward 39.1 / 41.3 / 51.6 ms with bf16 activations, 32.1 / 35.3 /
+        # 40.4 ms with fp32 ones. The KV cache, norms, hidden states and logits are then fp32;
+        # only the matmuls' inputs are rounded to bf16 where the weights are packed in pairs
+        # (CPUs with AVX512_BF16, cpu_gemm.bf16_pairs(); elsewhere the kernel widens the
+        # weights and multiplies fp32 inputs: weight-only bf16).
         self.compute_dtype = torch.float32 if matmul == "packed" and dtype == torch.bfloat16 else dtype
         ct = self.compute_dtype
         self.device = torch.device(device)
@@ -156,6 +158,9 @@ class LlamaModel:
                                 lay(w[p + "self_attn.o_proj.weight"]),
                                 w[p + "post_attention_layernorm.weight"].to(ct), lay(gate_up),
                                 lay(w[p + "mlp.down_proj.weight"])))
+        if matmul == "packed":  # one buffer on transparent huge pages (cpu_gemm.into_huge_pages)
+            cpu_gemm.into_huge_pages([x for lay_ in self.layers for x in (lay_[1], lay_[3], lay_[5], lay_[6])]
+                                     + [self.lm_head])
         pos = torch.arange(cfg.max_position, dtype=torch.float32)
         freqs = torch.outer(pos, _inv_freq(cfg))  # [max_position, head_dim / 2]
         emb = torch.cat([freqs, freqs], -1)

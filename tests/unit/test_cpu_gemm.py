@@ -12,12 +12,24 @@ needs_kernel = pytest.mark.skipif(not cpu_gemm.enabled(), reason=f"CPU kernel un
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_pack_round_trip(dtype):
     w = torch.randn(7, 45).to(dtype)  # 45 columns: one full block and one padded block
-    pw = cpu_gemm.pack(w)
-    assert pw.blocks.shape == (2, 7, 32)
+    pw = cpu_gemm.pack(w, pairs=False)
+    assert pw.blocks.shape == (2, 7, 32) and not pw.pairs
     assert torch.equal(pw.unpacked(), w)
     if dtype == torch.bfloat16:  # interleaved halves: stored 2j is column j, 2j + 1 is 16 + j
         assert torch.equal(pw.blocks[0, :, 0], w[:, 0]) and torch.equal(pw.blocks[0, :, 1], w[:, 16])
         assert torch.equal(pw.blocks[1, :, 2], w[:, 33])
+
+
+def test_pack_round_trip_bf16_pairs():
+    """The pair layout: 7 rows -> 4 pairs (the last padded), row 2p and 2p + 1 of a column
+    side by side."""
+    w = torch.randn(7, 45).bfloat16()
+    pw = cpu_gemm.pack(w, pairs=True)
+    assert pw.pairs and pw.blocks.shape == (2, 4, 64)
+    assert torch.equal(pw.unpacked(), w)
+    assert torch.equal(pw.blocks[0, 1, 0:2], w[2:4, 0]) and torch.equal(pw.blocks[1, 0, 2:4], w[0:2, 33])
+    assert torch.equal(pw.blocks[0, 3, 2], w[6, 1]) and pw.blocks[0, 3, 3] == 0
+    assert not cpu_gemm.pack(w.float(), pairs=True).pairs  # fp32 has one layout
     with pytest.raises(ValueError, match="2-D fp32/bf16"):
         cpu_gemm.pack(torch.zeros(3, 4, dtype=torch.float16))
 
@@ -43,12 +55,41 @@ def _check_product(dtype, rows: int, seed: int):
     return x, w
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 17, 130])
+def test_bf16_pairs_multiply_bf16_activations(rows):
+    """The pair layout (VDPBF16PS) rounds x to bf16 and accumulates in fp32: the product of
+    the bf16-rounded x, to fp32 rounding; the widened layout multiplies the fp32 x. An odd
+    number of input rows exercises the padded last pair. The two differ by x's rounding (the
+    check can fail)."""
+    if not cpu_gemm.bf16_pairs():
+        pytest.skip("no AVX512_BF16 on this CPU (or ADAPTSPEC_CPU_BF16_DOT=0): no pair layout")
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(71, 100, generator=g).bfloat16()
+    x = torch.randn(rows, 71, generator=g)
+    got = cpu_gemm.matmul(x, cpu_gemm.pack(w, pairs=True))
+    widened = cpu_gemm.matmul(x, cpu_gemm.pack(w, pairs=False))
+    rounded_x, exact_x = x.bfloat16().float() @ w.float(), x @ w.float()
+    scale = exact_x.abs().max().item()
+    assert got.dtype == torch.float32 and got.shape == (rows, 100)
+    assert (got - rounded_x).abs().max().item() <= 1e-5 * scale
+    assert (widened - exact_x).abs().max().item() <= 1e-5 * scale
+    assert (got - exact_x).abs().max().item() > 1e-4 * scale
+    x[0, 3] = float("nan")  # a NaN stays a NaN in its row and nowhere else
+    nan = cpu_gemm.matmul(x, cpu_gemm.pack(w, pairs=True))
+    assert nan[0].isnan().all() and not nan[1:].isnan().any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_torch_fallback_on_packed_blocks(monkeypatch, dtype):
     """Without the kernel (no compiler, a failed build) torch multiplies the packed blocks."""
     monkeypatch.setattr(cpu_gemm, "_lib", None)
     for rows in (1, 5, 600):
         _check_product(dtype, rows, seed=4)
+    if dtype == torch.bfloat16:  # weights packed in pairs, then no kernel: torch on them unpacked
+        w, x = torch.randn(33, 40).bfloat16(), torch.randn(3, 33).bfloat16()
+        got = cpu_gemm.matmul(x, cpu_gemm.pack(w, pairs=True)).float()
+        assert (got - x.float() @ w.float()).abs().max().item() <= 2.0 ** -7 * (x.float() @ w.float()).abs().max()
 
 
 def test_negative_control_a_wrong_layout_is_caught():
@@ -92,12 +133,14 @@ def test_tiny_model_on_packed_weights_matches_transformers(tmp_path, model_type,
 
 
 @needs_kernel
-def test_bfloat16_packed_computes_in_fp32_on_bf16_weights(tiny_dir):
-    """bf16 on the kernel is weight-only bf16: the same logits as an fp32 forward over the
+def test_bfloat16_packed_computes_in_fp32_on_bf16_weights(tiny_dir, monkeypatch):
+    """bf16 on the kernel, widened layout (``ADAPTSPEC_CPU_BF16_DOT=0`` or a CPU without
+    AVX512_BF16) is weight-only bf16: the same logits as an fp32 forward over the
     bf16-rounded weights (fp32 rounding apart), with fp32 activations and KV cache."""
     from adaptspec.models.llama import LlamaModel
     from tests.unit.test_llama_forward import _ours
 
+    monkeypatch.setattr(cpu_gemm, "BF16_DOT", False)
     hf, fast = _ours(tiny_dir, "fast", dtype=torch.bfloat16)
     _, packed = _ours(tiny_dir, "packed", dtype=torch.bfloat16)
     rounded = {k: v.bfloat16().float() for k, v in hf.state_dict().items()}
@@ -117,6 +160,40 @@ def test_bfloat16_packed_computes_in_fp32_on_bf16_weights(tiny_dir):
     full.allocate_cache(4, 128)
     f, _ = full.forward(ids, [0], [0], [10])
     assert (b - f).abs().max() > 1e-4
+
+
+@needs_kernel
+def test_bfloat16_packed_in_pairs_rounds_only_the_matmul_inputs(tiny_dir):
+    """bf16 in the pair layout: every matmul takes its input rounded to bf16 (as a bf16 GEMM
+    does) and accumulates in fp32; norms, attention, the KV cache and the residual stream stay
+    fp32. So the logits are an fp32 forward over the bf16 weights whose matmul inputs are
+    rounded to bf16, to a few fp32 roundings (one flips a bf16 rounding now and then); the
+    widened layout's forward (fp32 matmul inputs) is much further from it."""
+    from adaptspec.models.llama import LlamaModel
+    from tests.unit.test_llama_forward import _ours
+
+    if not cpu_gemm.bf16_pairs():
+        pytest.skip("no AVX512_BF16 on this CPU (or ADAPTSPEC_CPU_BF16_DOT=0): no pair layout")
+    hf, packed = _ours(tiny_dir, "packed", dtype=torch.bfloat16)
+    assert [w.pairs for w in packed.layers[0] if isinstance(w, cpu_gemm.PackedWeight)] == [True] * 4
+    rounded = {k: v.bfloat16().float() for k, v in hf.state_dict().items()}
+
+    class RoundedInputs(LlamaModel):
+        def _mm(self, x, w, b=None):
+            return super()._mm(x.bfloat16().float(), w, b)
+
+    refs = []
+    for cls in (RoundedInputs, LlamaModel):
+        refs.append(cls(packed.cfg, rounded, torch.float32, "cpu", "reference"))
+        refs[-1].allocate_cache(4, 128)
+    ids = torch.randint(0, 16, (2, 9), generator=torch.Generator().manual_seed(1))
+    for m in (packed, *refs):  # a prefill (the kernel at 2 x 8 rows), then a ragged step
+        m.forward(ids[:, :8], [0, 1], [0, 0], [8, 8])
+    b, _ = packed.forward(ids[:, 8:], [0, 1], [8, 8], [1, 1])
+    r, _ = refs[0].forward(ids[:, 8:], [0, 1], [8, 8], [1, 1])
+    f, _ = refs[1].forward(ids[:, 8:], [0, 1], [8, 8], [1, 1])
+    err, far = (b - r).abs().max().item(), (b - f).abs().max().item()
+    assert err <= 1e-4 and far > 1e-2, (err, far)
 
 
 @needs_kernel
@@ -145,14 +222,16 @@ def test_fp32_blas_copy_takes_prefills_and_one_row_only_when_asked(monkeypatch):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_row_of_the_kernel_does_not_depend_on_the_other_rows(dtype):
+@pytest.mark.parametrize("dtype,pairs", [(torch.float32, None), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_a_row_of_the_kernel_does_not_depend_on_the_other_rows(dtype, pairs):
     """Each row's product is the same sequence of operations whatever M is, so decoding one
     token and verifying it among k + 1 candidates give bitwise the same result (the BLAS's
     one-row path does not: the negative control)."""
+    if pairs and not cpu_gemm.bf16_pairs():
+        pytest.skip("no AVX512_BF16 on this CPU (or ADAPTSPEC_CPU_BF16_DOT=0): no pair layout")
     g = torch.Generator().manual_seed(3)
     w = torch.randn(576, 200, generator=g).to(dtype)
-    pw = cpu_gemm.pack(w, blas_copy=True)
+    pw = cpu_gemm.pack(w, blas_copy=True, pairs=pairs)
     x = torch.randn(13, 576, generator=g)
     full = cpu_gemm.matmul(x, pw)
     for m in (1, 2, 5, 8, 9):
@@ -188,3 +267,30 @@ def test_fp32_decoding_alone_and_verifying_among_candidates_give_bitwise_the_sam
     _, m = _ours(tiny_dir, "packed")
     one, many = both(m)
     assert not torch.equal(one, many) and (one - many).abs().max() < 1e-4
+
+
+@needs_kernel
+def test_into_huge_pages_moves_the_weights_without_changing_a_product(monkeypatch):
+    """The packed weights move into one 2 MB-aligned buffer (one storage, in order, 64-byte
+    aligned each) and every product stays bitwise the same; ADAPTSPEC_CPU_HUGE_PAGES=0 leaves
+    them alone."""
+    import sys
+
+    g = torch.Generator().manual_seed(6)
+    ws = [cpu_gemm.pack(torch.randn(i, o, generator=g).to(dt))
+          for i, o, dt in ((70, 100, torch.float32), (33, 45, torch.bfloat16), (576, 200, torch.bfloat16))]
+    xs = [torch.randn(5, w.in_features, generator=g) for w in ws]
+    before = [cpu_gemm.matmul(x, w) for x, w in zip(xs, ws)]
+    old = [w.blocks for w in ws]
+    monkeypatch.setenv("ADAPTSPEC_CPU_HUGE_PAGES", "0")
+    assert not cpu_gemm.into_huge_pages(ws) and all(w.blocks is b for w, b in zip(ws, old))
+    monkeypatch.delenv("ADAPTSPEC_CPU_HUGE_PAGES")
+    if not sys.platform.startswith("linux"):
+        pytest.skip("transparent huge pages are Linux's")
+    assert cpu_gemm.into_huge_pages(ws)
+    assert len({w.blocks.untyped_storage().data_ptr() for w in ws}) == 1
+    ptrs = [w.blocks.data_ptr() for w in ws]
+    assert ptrs[0] % (2 << 20) == 0 and all(p % 64 == 0 for p in ptrs) and ptrs == sorted(ptrs)
+    for x, w, b, o in zip(xs, ws, before, old):
+        assert torch.equal(w.blocks, o) and w.blocks.data_ptr() != o.data_ptr()
+        assert torch.equal(cpu_gemm.matmul(x, w), b)

@@ -122,17 +122,20 @@ def test_context_past_cache_is_refused(tiny_dir):
 
 @pytest.mark.parametrize("hidden", [32, 256, 512])  # head_dim 8 (the generic C loops), 64, 128
 @pytest.mark.parametrize("dtype,matmul", [(torch.float32, "fast"), (torch.bfloat16, "packed")])
-def test_fused_cpu_layer_ops_match_the_torch_ops(tmp_path, hidden, dtype, matmul):
+def test_fused_cpu_layer_ops_match_the_torch_ops(tmp_path, monkeypatch, hidden, dtype, matmul):
     """Decoding and verification (rows of up to FUSED_MAX_TOKENS tokens) run the layer's
     norms, rotary embedding, cache write, attention and SwiGLU in C; the same forward on torch
     ops gives the same logits, hidden states and KV cache to fp32 rounding: a prefill on
     torch, then ragged steps over non-contiguous slots with contexts that cross the C code's
-    16-key blocks."""
+    16-key blocks. (bf16 weights in the widened layout: the pair layout rounds each matmul's
+    input to bf16, which turns an fp32 rounding into a bf16 one now and then; its own test is
+    in test_cpu_gemm.py.)"""
     from adaptspec.models import cpu_gemm
     from adaptspec.models.llama import FUSED_MAX_TOKENS
 
     if not cpu_gemm.enabled():
         pytest.skip(f"CPU kernels unavailable: {cpu_gemm.status()}")
+    monkeypatch.setattr(cpu_gemm, "BF16_DOT", False)
     folder = make_tiny_model(tmp_path, vocab=64, seed=7, hidden=hidden, model_type="qwen2" if hidden == 256 else "llama")
     _, fused = _ours(folder, matmul, dtype)
     _, plain = _ours(folder, matmul, dtype)

@@ -26,9 +26,26 @@
  *
  * Written with GCC vector extensions, so it builds to AVX-512, AVX2 or NEON from one
  * source (-O3 -march=native). Threads: OpenMP over column blocks.
+ *
+ * bf16 on CPUs with AVX512_BF16 (``adaptspec_bf16_pairs() == 1``): a second layout, pairs,
+ * wp[nb][ceil(I / 2)][32][2], the two weights of rows 2p and 2p + 1 of a column side by side,
+ * and x rounded to bf16 (round to nearest even) in pairs the same way, so one VDPBF16PS does
+ * 32 multiply-adds (16 columns x 2 rows, accumulated in fp32) where the widened layout needs
+ * two FMAs and the widening. Decoding one row streams the same bytes either way; verifying
+ * k + 1 rows halves the arithmetic, which on a CPU whose 512-bit FMAs issue one a cycle (AMD
+ * Zen 4) is what a 5-row product waited on. Like every bf16 GEMM, the activations are bf16;
+ * each row is still computed alone (same instructions, same order whatever M is), so a
+ * token decoded alone and verified among candidates get bitwise the same result.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
 
 #define BW 32
 typedef float v16f __attribute__((vector_size(64)));
@@ -95,14 +112,88 @@ typedef void (*kfn_bf16)(int, const float*, int, const uint16_t*, float*, int, i
 static const kfn_f32 KF32[9] = {0, kf32_1, kf32_2, kf32_3, kf32_4, kf32_5, kf32_6, kf32_7, kf32_8};
 static const kfn_bf16 KBF16[9] = {0, kbf16_1, kbf16_2, kbf16_3, kbf16_4, kbf16_5, kbf16_6, kbf16_7, kbf16_8};
 
-int adaptspec_small_gemm_version(void) { return 3; }
+int adaptspec_small_gemm_version(void) { return 4; }
+
+/* 1 when the bf16 pair layout (VDPBF16PS) is compiled in. */
+int adaptspec_bf16_pairs(void) { return HAVE_DPBF16; }
+
+/* fp32 -> bf16, round to nearest even; NaN stays NaN (quiet). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7FFFFFFFu) > 0x7F800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+#if HAVE_DPBF16
+#define KERNEL_DP(R)                                                                   \
+    static void kdp_##R(int P, const uint32_t* x, int ldx, const uint16_t* w, float* y, \
+                        int ldy, int bw) {                                             \
+        __m512 a0[R], a1[R];                                                           \
+        for (int r = 0; r < R; r++) {                                                  \
+            a0[r] = _mm512_setzero_ps();                                               \
+            a1[r] = _mm512_setzero_ps();                                               \
+        }                                                                              \
+        for (int p = 0; p < P; p++) {                                                  \
+            const uint16_t* wp = w + (int64_t)p * 2 * BW; /* 128 bytes: 2 lines */     \
+            __builtin_prefetch(wp + 4096 / 2, 0, 3);                                   \
+            __builtin_prefetch(wp + (4096 + 64) / 2, 0, 3);                            \
+            __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);                            \
+            __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + BW);                       \
+            for (int r = 0; r < R; r++) {                                              \
+                __m512bh xv = (__m512bh)_mm512_set1_epi32((int)x[(int64_t)r * ldx + p]); \
+                a0[r] = _mm512_dpbf16_ps(a0[r], xv, w0);                               \
+                a1[r] = _mm512_dpbf16_ps(a1[r], xv, w1);                               \
+            }                                                                          \
+        }                                                                              \
+        for (int r = 0; r < R; r++) {                                                  \
+            float tmp[BW];                                                             \
+            _mm512_storeu_ps(tmp, a0[r]);                                              \
+            _mm512_storeu_ps(tmp + 16, a1[r]);                                         \
+            memcpy(y + (int64_t)r * ldy, tmp, (size_t)bw * sizeof(float));             \
+        }                                                                              \
+    }
+KERNEL_DP(1) KERNEL_DP(2) KERNEL_DP(3) KERNEL_DP(4)
+KERNEL_DP(5) KERNEL_DP(6) KERNEL_DP(7) KERNEL_DP(8)
+typedef void (*kfn_dp)(int, const uint32_t*, int, const uint16_t*, float*, int, int);
+static const kfn_dp KDP[9] = {0, kdp_1, kdp_2, kdp_3, kdp_4, kdp_5, kdp_6, kdp_7, kdp_8};
+#endif
 
 /* y[M, O] (row stride ldy) = x[M, I] (row stride ldx) @ W; wp packed as above. Each thread
    takes whole column blocks and runs every 8-row tile of x over a block while the block
-   (I x 32 weights, 36-72 KB) stays in its cache: the weights come from memory once. */
-void adaptspec_small_gemm(int M, int I, int O, const float* x, int ldx, const void* wp, int bf16,
+   (I x 32 weights, 36-72 KB) stays in its cache: the weights come from memory once.
+   layout: 0 fp32 blocks, 1 bf16 blocks (interleaved halves), 2 bf16 pairs (see the top;
+   only where adaptspec_bf16_pairs() says so, otherwise nothing is written). */
+void adaptspec_small_gemm(int M, int I, int O, const float* x, int ldx, const void* wp, int layout,
                           float* y, int ldy, int nthreads) {
     const int nb = (O + BW - 1) / BW;
+    if (layout == 2) {
+#if HAVE_DPBF16
+        const int P = (I + 1) / 2;
+        uint16_t* xb = malloc(sizeof(uint16_t) * 2 * (size_t)P * (size_t)(M > 0 ? M : 1));
+        if (!xb) return;
+        for (int r = 0; r < M; r++) {
+            uint16_t* d = xb + (int64_t)r * 2 * P;
+            const float* s = x + (int64_t)r * ldx;
+            for (int i = 0; i < I; i++) d[i] = to_bf16(s[i]);
+            if (I & 1) d[I] = 0;
+        }
+        const uint32_t* xp = (const uint32_t*)xb;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+        for (int b = 0; b < nb; b++) {
+            const int j0 = b * BW;
+            const int bw = O - j0 < BW ? O - j0 : BW;
+            for (int m0 = 0; m0 < M; m0 += 8) {
+                const int R = M - m0 < 8 ? M - m0 : 8;
+                KDP[R](P, xp + (int64_t)m0 * P, P, (const uint16_t*)wp + (int64_t)b * P * 2 * BW,
+                       y + (int64_t)m0 * ldy + j0, ldy, bw);
+            }
+        }
+        free(xb);
+#endif
+        return;
+    }
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int b = 0; b < nb; b++) {
         const int j0 = b * BW;
@@ -111,7 +202,7 @@ void adaptspec_small_gemm(int M, int I, int O, const float* x, int ldx, const vo
             const int R = M - m0 < 8 ? M - m0 : 8;
             const float* xr = x + (int64_t)m0 * ldx;
             float* yr = y + (int64_t)m0 * ldy + j0;
-            if (bf16)
+            if (layout == 1)
                 KBF16[R](I, xr, ldx, (const uint16_t*)wp + (int64_t)b * I * BW, yr, ldy, bw);
             else
                 KF32[R](I, xr, ldx, (const float*)wp + (int64_t)b * I * BW, yr, ldy, bw);
