@@ -122,10 +122,7 @@ class BatchPicture:
         for g in step.groups:
             n = g.num_requests
             if g.arm.k > 0 and n > 0:
-                slot = self.classes.get(g.request_class)
-                if slot is None:
-                    slot = self.classes[g.request_class] = ClassSlot()
-                slot.observe_proposed(g.arm.drafter, g.drafted, g.arm.k * n)
+                self._slot(g.request_class).observe_proposed(g.arm.drafter, g.drafted, g.arm.k * n)
             tot, emi, arm, best = seen.get(g.request_class, (0, 0, g.arm, 0))
             if n > best:
                 arm, best = g.arm, n
@@ -134,10 +131,16 @@ class BatchPicture:
             if c not in seen:
                 slot.share = slot.share * (1 - s) if slot.share > 1e-4 else 0.0
         for c, (tot, emi, arm, _) in seen.items():
-            slot = self.classes.setdefault(c, ClassSlot())
+            slot = self._slot(c)
             slot.share += s * (tot / max(n_dec, 1) - slot.share)
             slot.arm = arm
             slot.emitted_per_request += s * (emi / tot - slot.emitted_per_request)
+
+    def _slot(self, request_class: str) -> ClassSlot:
+        slot = self.classes.get(request_class)
+        if slot is None:
+            slot = self.classes[request_class] = ClassSlot()
+        return slot
 
 
 # ratios of predicted step time to budget closer than this are ties: the cost model's step

@@ -358,12 +358,13 @@ def into_huge_pages(weights: list[PackedWeight]) -> bool:
     if os.environ.get("ADAPTSPEC_CPU_HUGE_PAGES", "1").lower() in ("0", "off", "false", "no"):
         return False
     sizes = [-(-w.blocks.numel() * w.blocks.element_size() // 64) * 64 for w in weights]
-    buf = torch.empty(sum(sizes) + _HUGE, dtype=torch.uint8)  # untouched: no page is mapped yet
+    span = -(-sum(sizes) // _HUGE) * _HUGE  # whole huge pages, all inside the buffer
+    buf = torch.empty(span + _HUGE, dtype=torch.uint8)  # untouched: no page is mapped yet
     start = -(-buf.data_ptr() // _HUGE) * _HUGE
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        if libc.madvise(start, -(-sum(sizes) // _HUGE) * _HUGE, _MADV_HUGEPAGE) != 0:
+        if libc.madvise(start, span, _MADV_HUGEPAGE) != 0:
             return False
     except (OSError, AttributeError):
         return False

@@ -31,11 +31,13 @@
  * wp[nb][ceil(I / 2)][32][2], the two weights of rows 2p and 2p + 1 of a column side by side,
  * and x rounded to bf16 (round to nearest even) in pairs the same way, so one VDPBF16PS does
  * 32 multiply-adds (16 columns x 2 rows, accumulated in fp32) where the widened layout needs
- * two FMAs and the widening. Decoding one row streams the same bytes either way; verifying
- * k + 1 rows halves the arithmetic, which on a CPU whose 512-bit FMAs issue one a cycle (AMD
- * Zen 4) is what a 5-row product waited on. Like every bf16 GEMM, the activations are bf16;
- * each row is still computed alone (same instructions, same order whatever M is), so a
- * token decoded alone and verified among candidates get bitwise the same result.
+ * two FMAs and the widening: half the arithmetic per weight and row. On the AMD EPYC (Zen 4,
+ * one 512-bit FMA a cycle) a 5-row product of a 576 x 3072 weight from cache took 0.054 ms
+ * this way and 0.097 ms widened, a 150-token prefill of SmolLM2-135M 119 ms and 191; from
+ * memory, 1 to 5 rows stream at the same speed either way. Like every bf16 GEMM, the
+ * activations are bf16; each row is still computed alone (same instructions, same order
+ * whatever M is), so a token decoded alone and verified among candidates get bitwise the
+ * same result.
  */
 #include <stdint.h>
 #include <stdlib.h>
