@@ -170,10 +170,12 @@ static const kfn_dp KDP[9] = {0, kdp_1, kdp_2, kdp_3, kdp_4, kdp_5, kdp_6, kdp_7
 void adaptspec_small_gemm(int M, int I, int O, const float* x, int ldx, const void* wp, int layout,
                           float* y, int ldy, int nthreads) {
     const int nb = (O + BW - 1) / BW;
+    const int P = (I + 1) / 2;  /* pairs of input rows (layout 2) */
+    uint16_t* xb = NULL;        /* x rounded to bf16, in pairs (layout 2) */
+    (void)P;                    /* unused where the pair kernel is not compiled in */
     if (layout == 2) {
 #if HAVE_DPBF16
-        const int P = (I + 1) / 2;
-        uint16_t* xb = malloc(sizeof(uint16_t) * 2 * (size_t)P * (size_t)(M > 0 ? M : 1));
+        xb = malloc(sizeof(uint16_t) * 2 * (size_t)P * (size_t)(M > 0 ? M : 1));
         if (!xb) return;
         for (int r = 0; r < M; r++) {
             uint16_t* d = xb + (int64_t)r * 2 * P;
@@ -181,20 +183,9 @@ void adaptspec_small_gemm(int M, int I, int O, const float* x, int ldx, const vo
             for (int i = 0; i < I; i++) d[i] = to_bf16(s[i]);
             if (I & 1) d[I] = 0;
         }
-        const uint32_t* xp = (const uint32_t*)xb;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-        for (int b = 0; b < nb; b++) {
-            const int j0 = b * BW;
-            const int bw = O - j0 < BW ? O - j0 : BW;
-            for (int m0 = 0; m0 < M; m0 += 8) {
-                const int R = M - m0 < 8 ? M - m0 : 8;
-                KDP[R](P, xp + (int64_t)m0 * P, P, (const uint16_t*)wp + (int64_t)b * P * 2 * BW,
-                       y + (int64_t)m0 * ldy + j0, ldy, bw);
-            }
-        }
-        free(xb);
-#endif
+#else
         return;
+#endif
     }
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int b = 0; b < nb; b++) {
@@ -202,12 +193,20 @@ void adaptspec_small_gemm(int M, int I, int O, const float* x, int ldx, const vo
         const int bw = O - j0 < BW ? O - j0 : BW;
         for (int m0 = 0; m0 < M; m0 += 8) {
             const int R = M - m0 < 8 ? M - m0 : 8;
-            const float* xr = x + (int64_t)m0 * ldx;
             float* yr = y + (int64_t)m0 * ldy + j0;
+#if HAVE_DPBF16
+            if (layout == 2) {
+                KDP[R](P, (const uint32_t*)xb + (int64_t)m0 * P, P,
+                       (const uint16_t*)wp + (int64_t)b * P * 2 * BW, yr, ldy, bw);
+                continue;
+            }
+#endif
+            const float* xr = x + (int64_t)m0 * ldx;
             if (layout == 1)
                 KBF16[R](I, xr, ldx, (const uint16_t*)wp + (int64_t)b * I * BW, yr, ldy, bw);
             else
                 KF32[R](I, xr, ldx, (const float*)wp + (int64_t)b * I * BW, yr, ldy, bw);
         }
     }
+    free(xb);
 }
