@@ -204,8 +204,9 @@ def test_full_queue_is_resource_exhausted_and_cancel_frees_slots(service):
 def test_deadline_aborts_and_frees_the_slot(service):
     _, client = service
     _wait_for(lambda: _idle(client), "an idle replica")
-    # plain decoding (no speculation): 400 engine steps, far longer than the deadline
-    slow = dict(prompt_token_ids=[1, 2, 3], max_tokens=400, ignore_eos=True, speculation=("none", 0), timeout=0.15)
+    # plain decoding (no speculation): 400 engine steps, far longer than the deadline (a step
+    # of the tiny model takes 0.3-1 ms here: 0.15 s was once too long, 400 steps finished in it)
+    slow = dict(prompt_token_ids=[1, 2, 3], max_tokens=400, ignore_eos=True, speculation=("none", 0), timeout=0.05)
     with pytest.raises(grpc.RpcError) as err:
         client.generate(**slow)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
