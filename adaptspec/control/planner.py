@@ -279,11 +279,7 @@ class Planner:
         verify0, n_c, ngram0, emitted0, scale, budget = col
         verify = verify0 + n_c * own_tokens
         ngram = ngram0 + n_c * t.ngram_f
-        if getattr(cost, "batched", False):
-            T = cost.predict(verify, ctx, draft_other, n_c, t.k_draft, ngram, ctx / B, draft_depth=depth)
-        else:
-            T = np.stack([cost.predict(verify[i], ctx, draft_other[i], float(n_c[i, 0]), t.k_draft, ngram[i], ctx / B)
-                          for i in range(C)])
+        T = _predict_rows(cost, verify, ctx, draft_other, n_c, t.k_draft, ngram, ctx / B, draft_depth=depth)
         # with requests waiting, a step also serves prefill work (the chunk it carries):
         # value it in decode-token equivalents, so long steps pay for delaying admission
         backlog = picture.emitted if load.queued > 0 and picture.prefill_tokens > 0 else 0.0
@@ -351,9 +347,15 @@ class Planner:
         ngram = (n * t.is_ngram[arms]).sum(axis=1)
         emitted = (n * accepted_length[rows, arms]).sum(axis=1)
         ctx = load.context_tokens or picture.context_per_request * B
-        if getattr(cost, "batched", False):
-            T = cost.predict(verify[:, None], ctx, draft, np.zeros((len(arms), 1)), _NO_K, ngram[:, None], ctx / B)[:, 0]
-        else:
-            T = np.array([float(np.ravel(cost.predict(v, ctx, d, 0.0, _NO_K, g, ctx / B))[0])
-                          for v, d, g in zip(verify, draft, ngram)])
+        T = _predict_rows(cost, verify[:, None], ctx, draft, np.zeros((len(arms), 1)), _NO_K, ngram[:, None],
+                          ctx / B)[:, 0]
         return arms[int(np.argmax(emitted / T))].tolist()
+
+
+def _predict_rows(cost: StepCostModel, verify, ctx, draft, n_c, k_draft, ngram, per_request, **batched_kw):
+    """Step times of R rows of candidates ([R, ...] arguments, ``n_c`` [R, 1]): one call on a
+    cost model that takes rows (``batched``), else one call per row."""
+    if getattr(cost, "batched", False):
+        return cost.predict(verify, ctx, draft, n_c, k_draft, ngram, per_request, **batched_kw)
+    return np.stack([np.asarray(cost.predict(verify[i], ctx, draft[i], float(n_c[i, 0]), k_draft, ngram[i],
+                                             per_request), dtype=float) for i in range(len(verify))])

@@ -21,10 +21,9 @@ meanwhile).
 Where it is used (``default_matmul``): bfloat16 and float32 models on the CPU (``mode``),
 bf16 computed in fp32 around the products (pairs or widened, below; see ``LlamaModel``).
 fp32: 1 to ``MAX_ROWS_F32`` rows (decoding, verifying k + 1 candidates, a batch) on the
-kernel, where the BLAS packs
-panels and slows down 1.6-2x from 2 rows on; prefills (more rows) on the BLAS, so packed fp32
-weights also keep a copy as torch has it: twice the fp32 weight memory (SmolLM2-135M: 0.54 GB
-more). One row is the CPU's call: on the Xeon this project ran on until 2026-11-30 the BLAS's
+kernel, where the BLAS packs panels and slows down 1.6-2x from 2 rows on; prefills (more
+rows) on the BLAS, so packed fp32 weights also keep a copy as torch has it: twice the fp32
+weight memory (SmolLM2-135M: 0.54 GB more). One row is the CPU's call: on the Xeon this project ran on until 2026-11-30 the BLAS's
 matrix-vector path read fp32 weights about 6% faster than this kernel (21.5 / 22.8 ms over
 all of SmolLM2's weights); on the AMD EPYC it runs on since, a one-token forward took 34.0 ms
 with the BLAS and 20.4 ms on the kernel (``python -m adaptspec.models.forward_bench --dtype

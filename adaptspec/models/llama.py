@@ -159,8 +159,8 @@ class LlamaModel:
                                 w[p + "post_attention_layernorm.weight"].to(ct), lay(gate_up),
                                 lay(w[p + "mlp.down_proj.weight"])))
         if matmul == "packed":  # one buffer on transparent huge pages (cpu_gemm.into_huge_pages)
-            cpu_gemm.into_huge_pages([x for lay_ in self.layers for x in (lay_[1], lay_[3], lay_[5], lay_[6])]
-                                     + [self.lm_head])
+            cpu_gemm.into_huge_pages([x for x in (*(x for lay_ in self.layers for x in lay_), self.lm_head)
+                                      if isinstance(x, cpu_gemm.PackedWeight)])
         pos = torch.arange(cfg.max_position, dtype=torch.float32)
         freqs = torch.outer(pos, _inv_freq(cfg))  # [max_position, head_dim / 2]
         emb = torch.cat([freqs, freqs], -1)
