@@ -305,6 +305,7 @@ class HeadModel:
         self.dtype, self.device = dt, dev
         self.vocab_ids = state["vocab_ids"].to(torch.long).to(dev)
         self.reduced = cfg.draft_vocab_size < cfg.target_vocab_size
+        self._vocab_list: list[int] | None = None  # vocab_ids on the host, made on first use
         # the target's output rows for V
         out = target.output_rows()  # [vocab, hidden]
         out_v = out.index_select(0, self.vocab_ids)
@@ -334,6 +335,14 @@ class HeadModel:
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.vocab_ids[draft_ids] if self.reduced else draft_ids
+
+    def vocab_list_ids(self, draft_ids: list[int]) -> list[int]:
+        """``to_target_ids`` for a list of draft-vocabulary indices (host side, no tensors)."""
+        if not self.reduced:
+            return list(draft_ids)
+        if self._vocab_list is None:
+            self._vocab_list = self.vocab_ids.tolist()
+        return [self._vocab_list[i] for i in draft_ids]
 
     def full_probs(self, probs_v: torch.Tensor) -> torch.Tensor:
         """Scatter draft-vocabulary probabilities into the target's vocabulary (0 outside V)."""

@@ -16,7 +16,7 @@ import torch
 
 from adaptspec.engine.params import MAX_K, SamplingParams, SpecConfig
 from adaptspec.engine.proposers import Draft, DraftModelProposer, HeadProposer, NgramProposer, Proposer
-from adaptspec.engine.sampling import logits_to_probs, sample_from_probs
+from adaptspec.engine.sampling import argmax_rows, logits_to_probs, sample_from_probs
 from adaptspec.engine.scheduler import Scheduler
 from adaptspec.engine.sequence import RequestOutput, Sequence, Status
 from adaptspec.engine.stats import RequestStepStats, SpecStats, StepStats
@@ -255,6 +255,11 @@ class Engine:
                 continue
             sel = torch.tensor([row_start[r] + j for r in members for j in range(n[r] + 1)], device=dev)
             sub_logits = logits if len(members) == len(batch) else logits.index_select(0, sel)
+            if greedy and dev.type == "cpu":  # on the host: argmax through numpy, no tensor ops
+                for r, toks in zip(members, verifier.verify_greedy_host(argmax_rows(sub_logits),
+                                                                        [drafts[r].token_ids for r in members])):
+                    emitted[r] = toks
+                continue
             draft_ids = torch.tensor([t for r in members for t in drafts[r].token_ids], dtype=torch.long, device=dev)
             num_draft = torch.tensor([n[r] for r in members], dtype=torch.long, device=dev)
             max_k = max(n[r] for r in members)
@@ -293,7 +298,7 @@ class Engine:
                 torch.tensor([s.params.top_p for s in seqs], device=dev))
 
     def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:  # logits [B, vocab]
-        out = logits.argmax(-1).tolist()
+        out = argmax_rows(logits)
         stoch = [i for i, s in enumerate(seqs) if not s.params.greedy]
         if stoch:
             sub = [seqs[i] for i in stoch]

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from adaptspec.engine.sampling import logits_to_probs, sample_from_probs
+from adaptspec.engine.sampling import argmax_rows, logits_to_probs, sample_from_probs
 from adaptspec.engine.sequence import Sequence
 from adaptspec.models.llama import LlamaModel
 
@@ -134,7 +134,7 @@ class DraftModelProposer(Proposer):
     def _sample(self, rows: list[Sequence], logits: torch.Tensor,  # [num_rows, vocab_size]
                 probs_out: list[list[torch.Tensor]]) -> list[int]:
         greedy = [s.params.greedy for s in rows]
-        out = logits.argmax(-1).tolist()
+        out = argmax_rows(logits)
         if all(greedy):
             return out
         idx = [r for r, g in enumerate(greedy) if not g]
@@ -243,7 +243,8 @@ class HeadProposer(Proposer):
 
     def _sample(self, rows: list[Sequence], logits: torch.Tensor, probs_out: list[list[torch.Tensor]]) -> list[int]:
         head = self.head
-        out = head.to_target_ids(logits.argmax(-1)).tolist()
+        draft_ids = argmax_rows(logits)
+        out = head.vocab_list_ids(draft_ids)
         idx = [r for r, s in enumerate(rows) if not s.params.greedy]
         if not idx:
             return out

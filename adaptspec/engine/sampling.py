@@ -10,6 +10,17 @@ from __future__ import annotations
 import torch
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """``logits.argmax(-1).tolist()`` for [num_rows, vocab] logits, the same indices (first
+    maximum; a NaN counts as the maximum, as in torch), through numpy for fp32 logits on the
+    CPU: torch's CPU argmax took 43 / 126 / 1,315 us for 1 / 5 / 64 rows of SmolLM2's 49,152
+    logits and numpy's 4 / 18 / 205 on the project's 2-core machine, i.e. 40 us of every
+    plain decoding step and 1.1 ms of a 64-request one."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2:
+        return logits.detach().numpy().argmax(-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def logits_to_probs(
     logits: torch.Tensor,  # [num_rows, vocab_size]
     temperature: torch.Tensor,  # [num_rows] float, > 0

@@ -76,3 +76,45 @@ def test_top_k_top_p_and_temperature():
 def test_inverse_cdf_sampling_boundaries():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5]] * 3)
     assert sample_from_probs(probs, torch.tensor([0.0, 0.4999, 0.5])).tolist() == [1, 1, 3]
+
+
+def test_argmax_rows_matches_torch_with_ties_nan_and_inf():
+    from adaptspec.engine.sampling import argmax_rows
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 4, (64, 300), generator=g).float()  # many ties: the first maximum wins
+    x[3, 17] = float("nan")  # a NaN counts as the maximum, as in torch
+    x[5] = float("-inf")
+    x[6, :] = float("-inf")
+    x[6, 250] = 0.0
+    want = x.argmax(-1).tolist()
+    assert argmax_rows(x) == want
+    assert argmax_rows(x.bfloat16()) == x.bfloat16().argmax(-1).tolist()  # the torch path
+    assert want[3] == 17 and want[6] == 250
+
+
+def test_verify_greedy_host_equals_the_tensor_reference():
+    from adaptspec.engine.verifier import verify_greedy_host
+
+    g = torch.Generator().manual_seed(1)
+    for trial in range(200):
+        ks = torch.randint(0, 6, (int(torch.randint(1, 6, (1,), generator=g)),), generator=g)
+        rows = int((ks + 1).sum())
+        target = torch.randint(0, 3, (rows,), generator=g)  # small vocabulary: drafts often match
+        drafts = torch.randint(0, 3, (int(ks.sum()),), generator=g)
+        res = verify_greedy(onehot_logits(target.tolist()), drafts, ks)
+        want = [row[:a + 1] for row, a in zip(res.output_token_ids.tolist(), res.num_accepted.tolist())]
+        per_req, at = [], 0
+        for k in ks.tolist():
+            per_req.append(drafts[at:at + k].tolist())
+            at += k
+        assert verify_greedy_host(target.tolist(), per_req) == want, trial
+
+
+def test_verify_greedy_host_rejects_a_row_count_mismatch():
+    import pytest
+
+    from adaptspec.engine.verifier import verify_greedy_host
+
+    with pytest.raises(ValueError, match="target_argmax"):
+        verify_greedy_host([1, 2, 3], [[1]])
