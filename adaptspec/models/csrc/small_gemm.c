@@ -16,13 +16,18 @@
  * rows took 18.0 / 20.0 / 28.0 ms with the widening by shuffles (GCC's code for a vector
  * conversion), 14.1 / 16.5 / 23.4 ms like this.
  *
- * Software prefetch: every cache line of a block's row, 4 KB ahead. A fp32 row of a block
- * is two lines; the first version prefetched one line per row, 1 KB ahead (for bf16, all of
- * a row), and left the other fp32 line to the hardware prefetcher, which fell behind as rows
- * were added: over all of SmolLM2's fp32 weights 1 / 3 / 5 / 8 rows took 23.3 / 26.9 / 28.3
- * / 28.6 ms that way and 22.8 / 24.0 / 24.6 / 25.5 ms like this (the BLAS: 21.5 ms for one
- * row, 36.4 for five); bf16 1 / 3 / 5 / 8 rows 12.8 / 14.8 / 14.6 / 15.3 ms at 1 KB, 11.9 /
- * 12.5 / 12.9 / 14.0 at 4 KB (C benchmarks, the variants alternating, 12 repetitions).
+ * Software prefetch: none by default; the hardware prefetcher follows each thread's one
+ * sequential stream. Earlier versions prefetched every line of a row 4 KB ahead into L1
+ * (which had beaten one line per row 1 KB ahead). Against none at all, both libraries
+ * loaded in one process and alternating (SmolLM2-135M, 2 threads, huge pages), with this
+ * VM's memory in a fast phase: bf16 forwards of 1 / 5 tokens 7.55-7.79 / 9.73-10.36 ms with
+ * the prefetch, 6.84-7.03 / 9.27-9.54 without; fp32 11.93-12.18 / 15.34-15.49 with,
+ * 11.57-11.75 / 13.32-13.53 without. In a slow phase: bf16 9.47 / 10.16 with, 9.32 / 10.03
+ * without; fp32 17.94 / 19.44 with, 17.70 / 18.16 without; every bf16 weight of the model
+ * once at 1 / 5 / 8 / 16 / 40 rows 8.54 / 8.68 / 9.12 / 13.76 / 28.68 ms with, 8.31 / 8.56 /
+ * 9.04 / 13.52 / 28.47 without. Prefetching into L2 (4-16 KB ahead) came out in between.
+ * Building with -DADAPTSPEC_PREFETCH=<bytes> puts the L1 prefetch back, for CPUs where it
+ * helps.
  *
  * Written with GCC vector extensions, so it builds to AVX-512, AVX2 or NEON from one
  * source (-O3 -march=native). Threads: OpenMP over column blocks.
@@ -50,6 +55,11 @@
 #endif
 
 #define BW 32
+#ifdef ADAPTSPEC_PREFETCH
+#define PF_AHEAD (ADAPTSPEC_PREFETCH)
+#else
+#define PF_AHEAD 0
+#endif
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
@@ -81,9 +91,8 @@ static inline void load_bf16x2(const uint16_t* p, v16f* lo, v16f* hi) {
             a1[r] = (v16f){0};                                                         \
         }                                                                              \
         for (int i = 0; i < I; i++) {                                                  \
-            /* software prefetch 4 KB ahead, every cache line of the row (fp32: 2, bf16: 1) */ \
-            for (int l = 0; l < LINES; l++)                                            \
-                __builtin_prefetch(w + (int64_t)i * BW + (4096 + 64 * l) / sizeof(WT), 0, 3); \
+            for (int l = 0; PF_AHEAD && l < LINES; l++) /* off unless built with it */  \
+                __builtin_prefetch(w + (int64_t)i * BW + (PF_AHEAD + 64 * l) / sizeof(WT), 0, 3); \
             v16f w0, w1;                                                               \
             LOAD(w + (int64_t)i * BW, &w0, &w1);                                       \
             for (int r = 0; r < R; r++) {                                              \
@@ -139,8 +148,10 @@ static inline uint16_t to_bf16(float f) {
         }                                                                              \
         for (int p = 0; p < P; p++) {                                                  \
             const uint16_t* wp = w + (int64_t)p * 2 * BW; /* 128 bytes: 2 lines */     \
-            __builtin_prefetch(wp + 4096 / 2, 0, 3);                                   \
-            __builtin_prefetch(wp + (4096 + 64) / 2, 0, 3);                            \
+            if (PF_AHEAD) {                                                            \
+                __builtin_prefetch(wp + PF_AHEAD / 2, 0, 3);                           \
+                __builtin_prefetch(wp + (PF_AHEAD + 64) / 2, 0, 3);                    \
+            }                                                                          \
             __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp);                            \
             __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + BW);                       \
             for (int r = 0; r < R; r++) {                                              \
