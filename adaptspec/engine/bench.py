@@ -52,6 +52,7 @@ class BenchConfig:
     classes: list[str] = field(default_factory=list)
     max_new_tokens: int = 48
     prompts_per_class: int = 8
+    repeats: int = 1  # rounds over the class's prompts (every method in each round): less noise
     hf: bool = True
     device: str = "cpu"
 
@@ -121,6 +122,8 @@ def run_bench(cfg: BenchConfig, json_path: str | None = None) -> list[BenchRow]:
     for c in classes:
         if c not in prompts:
             raise ValueError(f"classes: unknown class {c!r} (have {sorted(prompts)})")
+    if cfg.repeats < 1:
+        raise ValueError(f"repeats: must be >= 1, got {cfg.repeats}")
     drafts = cfg.drafts or [DEFAULT_DRAFT]
     for d in cfg.drafters:
         if d not in ("ngram", "draft"):
@@ -200,7 +203,8 @@ def _bench_class(engines, hf, log, ps, cfg, dtype, batch, cls, prog, task) -> li
     theirs = hf.variants(cfg, batch) if hf is not None else []
     methods = [("ours", m) for m in ours] + [("hf", m) for m in theirs]
     done = [{"outs": [], "wall": 0.0, "steps": [], "stats": []} for _ in methods]
-    for ci, ch in enumerate(chunks):
+    rounds = [ch for _ in range(cfg.repeats) for ch in chunks]
+    for ci, ch in enumerate(rounds):
         order = list(range(len(methods)))
         order = order[ci % len(order):] + order[:ci % len(order)]
         for i in order:
@@ -217,7 +221,7 @@ def _bench_class(engines, hf, log, ps, cfg, dtype, batch, cls, prog, task) -> li
             done[i]["outs"] += outs
             done[i]["stats"] += stats
             done[i]["steps"] += list(log.steps)
-            prog.advance(task, 1 / (len(chunks) * len(methods)))
+            prog.advance(task, 1 / (len(rounds) * len(methods)))
 
     def decode_time(steps) -> float:  # every step's wall time less its prefill part (same work in every run)
         return sum(s.wall_s - s.prefill_s for s in steps)

@@ -69,6 +69,8 @@ def bench(
     classes: str = typer.Option("", help="comma-separated classes (default: all in the prompt set)"),
     max_new_tokens: int = typer.Option(48),
     prompts_per_class: int = typer.Option(8),
+    repeats: int = typer.Option(1, help="rounds over each class's prompts, every method in each round "
+                                "(a noisy machine: more rounds, steadier ratios)"),
     no_hf: bool = typer.Option(False, "--no-hf", help="skip the transformers baselines"),
     device: str = typer.Option("cpu"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write all results to this JSON file"),
@@ -78,7 +80,7 @@ def bench(
 
     cfg = BenchConfig(target=target, drafts=_csv(draft or ""), drafters=_csv(drafters), dtypes=_csv(dtype), batches=[int(x) for x in _csv(batch)],
                       ks=[int(x) for x in _csv(k)], classes=_csv(classes), max_new_tokens=max_new_tokens,
-                      prompts_per_class=prompts_per_class, hf=not no_hf, device=device)
+                      prompts_per_class=prompts_per_class, repeats=repeats, hf=not no_hf, device=device)
     run_bench(cfg, json_path)
 
 

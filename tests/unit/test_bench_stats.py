@@ -74,3 +74,29 @@ def test_bench_interleaves_methods_and_checks_exactness(tiny_dir, tiny_draft_dir
     assert len(ours) == 9
     assert ours[:3] == ["none", "ngram", "draft"] and ours[3:6] == ["ngram", "draft", "none"]
     assert calls == [("hf", 1)] * (1 + 3 * 3)  # the warm-up, then 3 chunks x 3 transformers methods
+
+
+def test_bench_repeats_run_every_chunk_again(tiny_dir, tiny_draft_dir, monkeypatch):
+    """--repeats 2: every method runs every prompt twice (rotation continuing across rounds),
+    tokens double, and the greedy rows still equal the plain tokens."""
+    from adaptspec.engine import bench
+    from adaptspec.engine.engine import Engine
+
+    monkeypatch.setattr(bench, "load_prompts", lambda: {"a": ["t1 t2 t3", "t4 t5"]})
+    order = []
+    gen = Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, ps, params=None, spec=None, **kw: (
+        order.append(spec.drafter if spec else None), gen(self, ps, params, spec, **kw))[1])
+    cfg = bench.BenchConfig(target=str(tiny_dir), drafts=[str(tiny_draft_dir)], dtypes=["float32"], batches=[1],
+                            ks=[2], classes=["a"], max_new_tokens=6, prompts_per_class=2, hf=False)
+    once = bench.run_bench(cfg)
+    order.clear()
+    cfg.repeats = 2
+    twice = bench.run_bench(cfg)
+    assert len(order) == 1 + 2 * 2 * 3  # warm-up, then 2 rounds x 2 chunks x 3 methods
+    assert order[1:4] == ["none", "ngram", "draft"] and order[7:10] == ["draft", "none", "ngram"]
+    assert [r.tokens for r in twice] == [2 * r.tokens for r in once]
+    assert all(r.same_tokens for r in twice[1:])
+    cfg.repeats = 0
+    with pytest.raises(ValueError, match="repeats"):
+        bench.run_bench(cfg)
