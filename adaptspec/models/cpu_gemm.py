@@ -9,6 +9,8 @@ Two C files, one shared library:
   fp32: ``LlamaModel._forward_fused`` runs a decode or verification step in three calls per
   layer besides the matmuls instead of ~45 torch operations. Used for fp32 compute on the
   CPU whatever the matmul (bf16 models compute in fp32 on the kernel; fp32 models too).
+  With every weight packed for the kernel, ``CLayers`` runs that loop over all layers in one
+  call (``adaptspec_layers``; ``ADAPTSPEC_CPU_LAYER_LOOP=python`` to turn it off).
 
 The library is compiled on first use with the system C compiler (``$CC`` or ``cc``; ``-O3
 -march=native -fopenmp``, about two seconds) into ``$ADAPTSPEC_HOME/ext``, keyed by the
@@ -97,6 +99,19 @@ def _bf16_dot_wanted() -> bool:
 
 
 BF16_DOT = _bf16_dot_wanted()  # pack() packs bf16 weights in pairs when this and the CPU allow
+
+
+def _layer_loop() -> str:
+    """``ADAPTSPEC_CPU_LAYER_LOOP``: "c" (the default: a decode or verification step's decoder
+    layers in one C call, ``CLayers``) or "python" (one call per norm, product and attention,
+    as before; the same results bitwise). Read once, at import."""
+    v = os.environ.get("ADAPTSPEC_CPU_LAYER_LOOP", "c").lower()
+    if v not in ("c", "python"):
+        raise ValueError(f"ADAPTSPEC_CPU_LAYER_LOOP={v!r}: use c or python")
+    return v
+
+
+LAYER_LOOP = _layer_loop()
 _pairs_built = False  # the library has the pair kernel (AVX512_BF16 at build time)
 
 _lock = threading.Lock()
@@ -185,7 +200,10 @@ def _declare_layer_ops(lib: ctypes.CDLL) -> None:
     i, p, f, i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_int64
     for name, args in (("adaptspec_add_rms_norm", [i, i, p, p, p, f, p]),
                        ("adaptspec_silu_mul", [i, i, p, p]),
-                       ("adaptspec_attention", [i, p, p, p, p, i, p, p, p, p, i64, i64, i, i, i, f, p, i, i])):
+                       ("adaptspec_attention", [i, p, p, p, p, i, p, p, p, p, i64, i64, i, i, i, f, p, i, i]),
+                       ("adaptspec_layers", [i, i, i, i, i, p, f, p, p, p, p, p, p, p, i, p, p,
+                                             i, p, p, p, p, p, p, p, i64, i64, i, i, i, f, i,
+                                             p, p, p, p, p, p, p, i])):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
 
@@ -283,6 +301,80 @@ def default_matmul(dtype: torch.dtype, device: torch.device) -> str:
     m = mode()
     wanted = m == "all" or (m == "bf16" and dtype == torch.bfloat16)
     return "packed" if wanted and enabled() else "fast"
+
+
+class CLayers:
+    """A model's decoder layers as the pointer arrays ``adaptspec_layers`` takes (built once;
+    the KV caches' pointers by ``set_caches`` whenever they are allocated). None of the
+    tensors move afterwards: the model keeps them."""
+
+    def __init__(self, layers: list[tuple], norm: torch.Tensor):
+        L = len(layers)
+        arr = lambda xs: (ctypes.c_void_p * L)(*xs)  # noqa: E731
+        self.num_layers = L
+        self.ln1 = arr([lay[0].data_ptr() for lay in layers])
+        self.wqkv = arr([lay[1].blocks.data_ptr() for lay in layers])
+        self.bias = arr([lay[2].data_ptr() for lay in layers]) if layers[0][2] is not None else None
+        self.wo = arr([lay[3].blocks.data_ptr() for lay in layers])
+        self.ln2 = arr([lay[4].data_ptr() for lay in layers])
+        self.wgu = arr([lay[5].blocks.data_ptr() for lay in layers])
+        self.wdown = arr([lay[6].blocks.data_ptr() for lay in layers])
+        w = layers[0][1]
+        self.layout = 2 if w.pairs else int(w.dtype == torch.bfloat16)
+        self.hidden, self.wqkv_out = w.in_features, w.out_features
+        self.attn_width = layers[0][3].in_features
+        self.inter = layers[0][6].in_features
+        self.norm = norm
+        self.kcache = self.vcache = None
+
+    @staticmethod
+    def applies(layers: list[tuple]) -> bool:
+        """Every weight packed alike (one layout), every norm fp32: what the C loop needs."""
+        if LAYER_LOOP != "c" or _lib is None or not layers:
+            return False
+        ws = [w for lay in layers for w in (lay[1], lay[3], lay[5], lay[6])]
+        if not all(isinstance(w, PackedWeight) for w in ws):
+            return False
+        kinds = {(w.dtype, w.pairs) for w in ws}
+        if len(kinds) != 1 or (ws[0].pairs and not _pairs_built):
+            return False
+        return all(lay[0].dtype == torch.float32 and lay[4].dtype == torch.float32 for lay in layers)
+
+    def set_caches(self, k_cache: list[torch.Tensor], v_cache: list[torch.Tensor]) -> None:
+        L = self.num_layers
+        self.kcache = (ctypes.c_void_p * L)(*[t.data_ptr() for t in k_cache])
+        self.vcache = (ctypes.c_void_p * L)(*[t.data_ptr() for t in v_cache])
+        _, self.hkv, self.length, self.head_dim = k_cache[0].shape
+
+    def takes(self, n: int) -> bool:
+        """Whether every product of an ``n``-row step runs on the kernel (fp32 products of
+        more than MAX_ROWS_F32 rows, or one row with ONE_ROW_BLAS, go to the BLAS)."""
+        if self.kcache is None or n < 1:
+            return False
+        return self.layout != 0 or (n <= MAX_ROWS_F32 and not (n == 1 and ONE_ROW_BLAS))
+
+    def run(self, h: torch.Tensor, eps: float, row_start: torch.Tensor, slots: torch.Tensor,
+            cache_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
+            max_ctx: int) -> torch.Tensor:
+        """All layers and the final norm over h [N, hidden] (updated in place): the hidden
+        states [N, hidden] that ``LlamaModel._forward_fused``'s loop would return."""
+        n, hd = h.shape
+        widths = [hd, self.wqkv_out, self.attn_width, hd, 2 * self.inter, self.inter, hd]
+        scratch = torch.empty(n * sum(widths), dtype=torch.float32)
+        ptrs, at = [], scratch.data_ptr()
+        for wd in widths:
+            ptrs.append(at)
+            at += n * wd * 4
+        out = torch.empty(n, hd, dtype=torch.float32)
+        d = self.head_dim
+        _lib.adaptspec_layers(self.num_layers, n, hd, self.wqkv_out, self.inter, h.data_ptr(), eps,
+                              self.ln1, self.wqkv, self.bias, self.wo, self.ln2, self.wgu, self.wdown,
+                              self.layout, self.norm.data_ptr(), out.data_ptr(),
+                              slots.shape[0], row_start.data_ptr(), slots.data_ptr(), cache_lens.data_ptr(),
+                              cos.data_ptr(), sin.data_ptr(), self.kcache, self.vcache,
+                              self.hkv * self.length * d, self.length * d, num_heads, self.hkv, d, d ** -0.5,
+                              max_ctx, *ptrs, torch.get_num_threads())
+        return out
 
 
 def enabled() -> bool:

@@ -12,7 +12,9 @@ that length, nothing is copied.
 
 On the CPU in fp32 compute, decode and verification steps (rows of up to
 ``FUSED_MAX_TOKENS`` new tokens) take ``_forward_fused``: the same layer with its norms,
-rotary embedding, cache write, attention and SwiGLU in C (``cpu_gemm``, ``csrc/layer_ops.c``).
+rotary embedding, cache write, attention and SwiGLU in C (``cpu_gemm``, ``csrc/layer_ops.c``);
+where every weight is on the matmul kernel, the whole layer loop is one C call
+(``cpu_gemm.CLayers``, bitwise the same results).
 """
 from __future__ import annotations
 
@@ -170,6 +172,9 @@ class LlamaModel:
         # rotary embedding, attention and SwiGLU in C (csrc/layer_ops.c) on the CPU in fp32
         self.fused = (self.device.type == "cpu" and self.fast and ct == torch.float32
                       and cpu_gemm.mode() != "0" and cpu_gemm.enabled())
+        # the fused path's layers in one C call where every weight is on the kernel
+        self.c_layers = (cpu_gemm.CLayers(self.layers, self.norm)
+                         if self.fused and cpu_gemm.CLayers.applies(self.layers) else None)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.num_slots = 0
@@ -188,6 +193,8 @@ class LlamaModel:
         self.k_cache = [torch.zeros(shape, dtype=self.compute_dtype, device=self.device) for _ in range(c.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.compute_dtype, device=self.device) for _ in range(c.num_layers)]
         self.num_slots, self.max_len = num_slots, max_len
+        if self.c_layers is not None:
+            self.c_layers.set_caches(self.k_cache, self.v_cache)
 
     # ---- forward ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -288,7 +295,8 @@ class LlamaModel:
         """``forward`` for rows of a few tokens (decoding, verification) on the CPU in fp32:
         the same computation, with everything but the matmuls in three C calls per layer
         (``cpu_gemm.attention`` / ``add_rms_norm`` / ``silu_mul``) instead of ~45 torch
-        operations; only the real tokens, packed, are computed."""
+        operations; only the real tokens, packed, are computed. With ``c_layers`` (every
+        weight on the kernel, and the step's rows within its reach) the loop itself runs in C."""
         c = self.cfg
         B, T = input_ids.shape
         padded = any(n != T for n in num_tokens)
@@ -307,6 +315,9 @@ class LlamaModel:
         slots_t = torch.tensor(slots, dtype=torch.int32)
         lens_t = torch.tensor(cache_lens, dtype=torch.int32)
         eps, x, delta = c.rms_norm_eps, None, None
+        if self.c_layers is not None and self.c_layers.takes(h.shape[0]):  # the loop below, in C
+            hidden_p = self.c_layers.run(h, eps, row_start, slots_t, lens_t, self.cos, self.sin, c.num_heads, ctx)
+            return self._output(hidden_p, B, T, flat_idx, logits_rows)
         for li, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
             x = cpu_gemm.add_rms_norm(h, delta, ln1, eps, out=x)
             a = cpu_gemm.attention(self._mm(x, qkv_w, qkv_b), row_start, slots_t, lens_t, self.cos, self.sin,

@@ -294,3 +294,43 @@ def test_into_huge_pages_moves_the_weights_without_changing_a_product(monkeypatc
     for x, w, b, o in zip(xs, ws, before, old):
         assert torch.equal(w.blocks, o) and w.blocks.data_ptr() != o.data_ptr()
         assert torch.equal(cpu_gemm.matmul(x, w), b)
+
+
+@needs_kernel
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: the qkv bias
+@pytest.mark.parametrize("dtype,pairs", [(torch.float32, False), (torch.bfloat16, False), (torch.bfloat16, True)])
+def test_layers_in_one_c_call_equal_the_python_loop_bitwise(tmp_path, monkeypatch, model_type, dtype, pairs):
+    """``CLayers`` (a step's decoder layers in one C call) makes the calls ``_forward_fused``'s
+    Python loop makes: bitwise the same logits, hidden states and KV cache, for a prefill, a
+    ragged step over non-contiguous slots and one row; fp32 steps whose products go to the
+    BLAS (more than MAX_ROWS_F32 rows, or one row with ONE_ROW_BLAS) stay on the Python loop."""
+    from tests.conftest import make_tiny_model
+    from tests.unit.test_llama_forward import _ours
+
+    if pairs and not cpu_gemm._pairs_built:
+        pytest.skip("the library has no pair kernel (no AVX512_BF16 at build time)")
+    monkeypatch.setattr(cpu_gemm, "BF16_DOT", pairs)
+    folder = make_tiny_model(tmp_path, vocab=40, seed=5, model_type=model_type)
+    _, c = _ours(folder, "packed", dtype, max_len=256)
+    _, py = _ours(folder, "packed", dtype, max_len=256)
+    assert c.c_layers is not None and c.c_layers.layout == (2 if pairs else int(dtype == torch.bfloat16))
+    assert (c.c_layers.bias is not None) == (model_type == "qwen2")
+    py.c_layers = None
+    calls = []
+    run = c.c_layers.run
+    monkeypatch.setattr(c.c_layers, "run", lambda *a: (calls.append(a[0].shape[0]), run(*a))[1])
+    ids = torch.randint(0, 40, (3, 120), generator=torch.Generator().manual_seed(2))
+    steps = [(ids[:, :20], [20, 20, 20], [0, 0, 0]),  # a prefill of 60 rows
+             (ids[:, 20:25], [5, 1, 3], [20, 20, 20]),  # a ragged verification step
+             (ids[:1, 25:26], [1], [25])]  # one row
+    for x, n, lens in steps:
+        slots = [3, 0, 1][:x.shape[0]]
+        a, ha = c.forward(x, slots, lens, n)
+        b, hb = py.forward(x, slots, lens, n)
+        assert torch.equal(a, b) and torch.equal(ha, hb)
+    assert all(torch.equal(k1, k2) for k1, k2 in zip(c.k_cache + c.v_cache, py.k_cache + py.v_cache))
+    assert calls == [60, 9, 1]  # every step above ran in C
+    c.forward(ids[:, 30:55], [3, 0, 1], [30, 30, 30], [25, 25, 25])  # 75 rows
+    assert calls[-1] == 1 if dtype == torch.float32 else calls[-1] == 75
+    monkeypatch.setattr(cpu_gemm, "ONE_ROW_BLAS", True)
+    assert c.c_layers.takes(1) == (dtype != torch.float32) and c.c_layers.takes(2)

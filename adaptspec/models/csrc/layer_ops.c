@@ -8,6 +8,7 @@
  * that work in three calls per layer (attention with the rotary embedding and the cache
  * write; residual add + RMSNorm; SwiGLU), for rows of a few tokens each
  * (``LlamaModel._forward_fused``); long prefills stay on torch, whose attention is tiled.
+ * ``adaptspec_layers`` (at the end) strings them and the products together over all layers.
  *
  * Numbers are fp32 throughout; results agree with the torch path to fp32 rounding (sums are
  * taken in another order, and exp is the polynomial below, within 2 ulp of expf). Each
@@ -360,4 +361,50 @@ void adaptspec_attention(int B, const int* row_start, const int* slots, const in
         FLUSH_END
     }
     free(task);
+}
+
+/* y[M, O] = x[M, I] @ W on the packed weight (small_gemm.c, the same library). */
+void adaptspec_small_gemm(int M, int I, int O, const float* x, int ldx, const void* wp, int layout,
+                          float* y, int ldy, int nthreads);
+
+/* Every decoder layer of a decode or verification step in one call: for each layer l,
+ *
+ *   x = rmsnorm(h += delta) * ln1[l]            (no add before layer 0)
+ *   qkv = x @ Wqkv[l] (+ bias[l]); a = attention(qkv) (rotary, cache write; see above)
+ *   x = rmsnorm(h += a @ Wo[l]) * ln2[l]
+ *   delta = silu_mul(x @ Wgu[l]) @ Wdown[l]
+ *
+ * then out = rmsnorm(h += delta) * norm_w: the final hidden states. Exactly the calls
+ * LlamaModel._forward_fused makes from Python one by one (same functions, order and
+ * buffers), so the results are bitwise the same; what goes is ~250 Python-to-C round trips
+ * a step (4-6 us each with the tensor bookkeeping around them). Every product must be on the
+ * kernel: the caller checks that (fp32 rows beyond the kernel's go to the BLAS in Python).
+ * h [N, Hd] is the residual stream (updated in place); weights and norms are arrays of L
+ * pointers (bias entries may be NULL; bias == NULL: none); scratch: x, o, delta [N, Hd],
+ * qkv [N, Wqkv], a [N, H * D], gu [N, 2 I], s [N, I]. */
+void adaptspec_layers(int L, int N, int Hd, int Wqkv, int I, float* h, float eps,
+                      const float* const* ln1, const void* const* wqkv, const float* const* bias,
+                      const void* const* wo, const float* const* ln2, const void* const* wgu,
+                      const void* const* wdown, int layout, const float* norm_w, float* out,
+                      int B, const int* row_start, const int* slots, const int* cache_lens,
+                      const float* cos_t, const float* sin_t, float* const* kcache, float* const* vcache,
+                      int64_t slot_stride, int64_t head_stride, int H, int Hkv, int D, float scale,
+                      int max_ctx, float* x, float* qkv, float* a, float* o, float* gu, float* s,
+                      float* delta, int nthreads) {
+    const int HD = H * D;
+    for (int l = 0; l < L; l++) {
+        adaptspec_add_rms_norm(N, Hd, h, l ? delta : NULL, ln1[l], eps, x);
+        adaptspec_small_gemm(N, Hd, Wqkv, x, Hd, wqkv[l], layout, qkv, Wqkv, nthreads);
+        if (bias && bias[l])
+            for (int n = 0; n < N; n++)
+                for (int j = 0; j < Wqkv; j++) qkv[(int64_t)n * Wqkv + j] += bias[l][j];
+        adaptspec_attention(B, row_start, slots, cache_lens, qkv, Wqkv, cos_t, sin_t, kcache[l], vcache[l],
+                            slot_stride, head_stride, H, Hkv, D, scale, a, max_ctx, nthreads);
+        adaptspec_small_gemm(N, HD, Hd, a, HD, wo[l], layout, o, Hd, nthreads);
+        adaptspec_add_rms_norm(N, Hd, h, o, ln2[l], eps, x);
+        adaptspec_small_gemm(N, Hd, 2 * I, x, Hd, wgu[l], layout, gu, 2 * I, nthreads);
+        adaptspec_silu_mul(N, I, gu, s);
+        adaptspec_small_gemm(N, I, Hd, s, I, wdown[l], layout, delta, Hd, nthreads);
+    }
+    adaptspec_add_rms_norm(N, Hd, h, L ? delta : NULL, norm_w, eps, out);
 }
