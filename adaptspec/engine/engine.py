@@ -253,8 +253,11 @@ class Engine:
         for greedy, members in groups.items():
             if not members:
                 continue
-            sel = torch.tensor([row_start[r] + j for r in members for j in range(n[r] + 1)], device=dev)
-            sub_logits = logits if len(members) == len(batch) else logits.index_select(0, sel)
+            if len(members) == len(batch):
+                sub_logits = logits
+            else:
+                sel = torch.tensor([row_start[r] + j for r in members for j in range(n[r] + 1)], device=dev)
+                sub_logits = logits.index_select(0, sel)
             if greedy and dev.type == "cpu":  # on the host: argmax through numpy, no tensor ops
                 for r, toks in zip(members, verifier.verify_greedy_host(argmax_rows(sub_logits),
                                                                         [drafts[r].token_ids for r in members])):

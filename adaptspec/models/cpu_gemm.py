@@ -329,7 +329,8 @@ class CLayers:
 
     @staticmethod
     def applies(layers: list[tuple]) -> bool:
-        """Every weight packed alike (one layout), every norm fp32: what the C loop needs."""
+        """Every weight packed alike (one layout), the same sizes in every layer, every norm
+        fp32: what the C loop needs."""
         if LAYER_LOOP != "c" or _lib is None or not layers:
             return False
         ws = [w for lay in layers for w in (lay[1], lay[3], lay[5], lay[6])]
@@ -337,6 +338,9 @@ class CLayers:
             return False
         kinds = {(w.dtype, w.pairs) for w in ws}
         if len(kinds) != 1 or (ws[0].pairs and not _pairs_built):
+            return False
+        shapes = {tuple((w.in_features, w.out_features) for w in (lay[1], lay[3], lay[5], lay[6])) for lay in layers}
+        if len(shapes) != 1:  # the C loop takes layer 0's sizes for every layer
             return False
         return all(lay[0].dtype == torch.float32 and lay[4].dtype == torch.float32 for lay in layers)
 

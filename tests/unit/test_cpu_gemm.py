@@ -118,6 +118,11 @@ def test_mode_parsing(monkeypatch):
     assert cpu_gemm.default_matmul(torch.float32, torch.device("cpu")) == "packed"
     assert cpu_gemm.default_matmul(torch.bfloat16, torch.device("cpu")) == "packed"
     assert cpu_gemm.default_matmul(torch.float32, torch.device("cuda")) == "reference"
+    monkeypatch.setenv("ADAPTSPEC_CPU_LAYER_LOOP", "Python")
+    assert cpu_gemm._layer_loop() == "python"
+    monkeypatch.setenv("ADAPTSPEC_CPU_LAYER_LOOP", "fortran")
+    with pytest.raises(ValueError, match="ADAPTSPEC_CPU_LAYER_LOOP"):
+        cpu_gemm._layer_loop()
 
 
 @needs_kernel
@@ -334,3 +339,21 @@ def test_layers_in_one_c_call_equal_the_python_loop_bitwise(tmp_path, monkeypatc
     assert calls[-1] == 1 if dtype == torch.float32 else calls[-1] == 75
     monkeypatch.setattr(cpu_gemm, "ONE_ROW_BLAS", True)
     assert c.c_layers.takes(1) == (dtype != torch.float32) and c.c_layers.takes(2)
+
+
+@needs_kernel
+def test_layers_in_c_only_where_every_layer_fits_the_loop(tiny_dir, monkeypatch):
+    """The C loop takes layer 0's sizes and one layout for all layers: a model whose layers
+    differ (or ADAPTSPEC_CPU_LAYER_LOOP=python) stays on the Python loop."""
+    from tests.unit.test_llama_forward import _ours
+
+    _, m = _ours(tiny_dir, "packed")
+    assert cpu_gemm.CLayers.applies(m.layers)
+    odd = [list(lay) for lay in m.layers]
+    odd[1][5] = cpu_gemm.pack(torch.randn(m.cfg.hidden_size, 2 * m.cfg.intermediate_size + 32))
+    assert not cpu_gemm.CLayers.applies([tuple(lay) for lay in odd])
+    mixed = [list(lay) for lay in m.layers]
+    mixed[1][6] = cpu_gemm.pack(torch.randn(m.cfg.intermediate_size, m.cfg.hidden_size).bfloat16())
+    assert not cpu_gemm.CLayers.applies([tuple(lay) for lay in mixed])
+    monkeypatch.setattr(cpu_gemm, "LAYER_LOOP", "python")
+    assert not cpu_gemm.CLayers.applies(m.layers)
