@@ -34,7 +34,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from adaptspec.models import cpu_gemm
 from adaptspec.models.llama import LlamaConfig, LlamaModel, _inv_freq
 
 HEAD_FILE = "draft.json"
@@ -316,15 +315,10 @@ class HeadModel:
         self.decoder = LlamaModel(cfg.llama_config(), w, dt, dev, target.matmul)
         self.embed = target.embed  # [vocab, hidden], shared
         ct = self.compute_dtype = self.decoder.compute_dtype  # fp32 for bf16 weights on the CPU kernel
-        # the input layer [2H, H]: on the CPU kernel packed like the target's weights (in the
-        # model's dtype: bf16 pairs or fp32 blocks), elsewhere for torch. On torch (fp32, from
-        # memory) it took 0.2-0.5 ms of a 0.45-1.15 ms bf16 drafting position; packed, the
-        # positions took 0.30-0.88 ms (SmolLM2's head, batch 1, code edits at k = 4)
-        self.fc_t = self.fc_packed = None
-        if target.matmul == "packed":
-            self.fc_packed = cpu_gemm.pack(state["fc.weight"].to(dev, dt).t(), blas_copy=dt == torch.float32)
-        else:
-            self.fc_t = state["fc.weight"].to(dev, ct).t().contiguous()
+        # the input layer, laid out like the decoder's weights (on the CPU kernel: packed; on
+        # torch it took 0.2-0.5 ms of a 0.45-1.15 ms bf16 drafting position, packed the
+        # positions took 0.30-0.88 ms: SmolLM2's head, batch 1, code edits at k = 4)
+        self.fc = self.decoder.lay_weight(state["fc.weight"].to(dev, dt))
         self.feature_norm = state["feature_norm.weight"].to(dev, ct)
         self.token_norm = state["token_norm.weight"].to(dev, ct)
 
@@ -339,10 +333,7 @@ class HeadModel:
         e = F.embedding(next_tokens, self.embed).to(self.compute_dtype)
         x = torch.cat([F.rms_norm(feats.to(self.compute_dtype), (H,), self.feature_norm, eps),
                        F.rms_norm(e, (H,), self.token_norm, eps)], -1)
-        if self.fc_packed is not None:
-            u = cpu_gemm.matmul(x, self.fc_packed)
-        else:
-            u = x @ self.fc_t
+        u = self.decoder._mm(x, self.fc)
         return self.decoder.forward(next_tokens, slots, cache_lens, num_tokens, logits_rows, inputs_embeds=u)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

@@ -320,7 +320,7 @@ class CLayers:
         self.wgu = arr([lay[5].blocks.data_ptr() for lay in layers])
         self.wdown = arr([lay[6].blocks.data_ptr() for lay in layers])
         w = layers[0][1]
-        self.layout = 2 if w.pairs else int(w.dtype == torch.bfloat16)
+        self.layout = w.layout
         self.hidden, self.wqkv_out = w.in_features, w.out_features
         self.attn_width = layers[0][3].in_features
         self.inter = layers[0][6].in_features
@@ -336,8 +336,7 @@ class CLayers:
         ws = [w for lay in layers for w in (lay[1], lay[3], lay[5], lay[6])]
         if not all(isinstance(w, PackedWeight) for w in ws):
             return False
-        kinds = {(w.dtype, w.pairs) for w in ws}
-        if len(kinds) != 1 or (ws[0].pairs and not _pairs_built):
+        if len({w.layout for w in ws}) != 1 or (ws[0].pairs and not _pairs_built):
             return False
         shapes = {tuple((w.in_features, w.out_features) for w in (lay[1], lay[3], lay[5], lay[6])) for lay in layers}
         if len(shapes) != 1:  # the C loop takes layer 0's sizes for every layer
@@ -426,6 +425,11 @@ class PackedWeight:
     @property
     def dtype(self) -> torch.dtype:
         return self.blocks.dtype
+
+    @property
+    def layout(self) -> int:
+        """The kernel's layout code: 0 fp32 blocks, 1 bf16 blocks, 2 bf16 pairs."""
+        return 2 if self.pairs else int(self.dtype == torch.bfloat16)
 
     def unpacked(self) -> torch.Tensor:
         """The [in, out] weight back (a copy)."""
@@ -523,7 +527,7 @@ def matmul(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
         xf = xf.contiguous()
     y = torch.empty(m, w.out_features, dtype=torch.float32)
     _lib.adaptspec_small_gemm(m, w.in_features, w.out_features, xf.data_ptr(), w.in_features,
-                              w.blocks.data_ptr(), 2 if w.pairs else int(bf16), y.data_ptr(), w.out_features,
+                              w.blocks.data_ptr(), w.layout, y.data_ptr(), w.out_features,
                               torch.get_num_threads())
     if x.dtype != torch.float32:
         y = y.to(x.dtype)

@@ -136,14 +136,7 @@ class LlamaModel:
         self.norm = w["model.norm.weight"].to(ct)
         if matmul == "packed":
             cpu_gemm.enabled()  # build/load once, before the first forward
-            # fp32 also keeps each weight as torch has it, for prefills (the BLAS's GEMM) and,
-            # with ADAPTSPEC_CPU_ONE_ROW=blas, one-row products (cpu_gemm's docstring): twice
-            # the weight memory
-            lay = lambda t: cpu_gemm.pack(t.t(), blas_copy=dtype == torch.float32)  # noqa: E731
-        elif self.fast:
-            lay = lambda t: t.t().contiguous()  # noqa: E731
-        else:
-            lay = lambda t: t  # noqa: E731
+        lay = self.lay_weight
         head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
         self.lm_head = lay(head)  # fast: [hidden, vocab]; reference: [vocab, hidden]; packed: PackedWeight
         self.layers = []
@@ -179,6 +172,16 @@ class LlamaModel:
         self.v_cache: list[torch.Tensor] = []
         self.num_slots = 0
         self.max_len = 0
+
+    def lay_weight(self, w: torch.Tensor):
+        """An [out, in] weight (in the model's dtype and device) laid out for ``_mm``: packed
+        for the CPU kernel, [in, out] contiguous for "fast", as it is for "reference". Packed
+        fp32 also keeps the weight as torch has it, for prefills (the BLAS's GEMM) and, with
+        ADAPTSPEC_CPU_ONE_ROW=blas, one-row products (cpu_gemm's docstring): twice the weight
+        memory."""
+        if self.matmul == "packed":
+            return cpu_gemm.pack(w.t(), blas_copy=self.dtype == torch.float32)
+        return w.t().contiguous() if self.fast else w
 
     @classmethod
     def from_hf(cls, hf_model, dtype=torch.float32, device="cpu", matmul: str = "fast") -> "LlamaModel":
