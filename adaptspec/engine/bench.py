@@ -8,7 +8,10 @@ for each k. For our drafters it reports the acceptance rate (accepted / drafted)
 acceptance a (accepted / drafted tokens the target actually judged: a step's candidates
 after its first rejection are never judged), the mean accepted length, the measured cost
 ratio c (draft time per drafted position / plain target step time), the analytic bound
-(1 - a^(k+1)) / ((1 - a)(k c + 1)) and efficiency = decode speedup / bound.
+(1 - a^(k+1)) / ((1 - a)(k c + 1)) and efficiency = decode speedup / bound. Next to c it
+reports the verification cost v: a speculative decode step less its drafting (the target
+pass over k + 1 tokens per request, plus the step's bookkeeping) over a plain decode step.
+The bound takes v = 1.
 
 The methods of a class run interleaved, chunk of ``batch`` prompts by chunk, the first
 method rotating, so that the machine's speed drifting during a class hits every method
@@ -79,6 +82,7 @@ class BenchRow:
     token_acceptance: float | None = None  # accepted / judged drafted tokens: the bound's a
     decode_s: float | None = None  # wall time less prefill (ours only): the phase speculation changes
     decode_speedup: float | None = None  # over ours-plain's decode phase; efficiency = this / bound
+    verify_cost: float | None = None  # a decode step less its drafting, over a plain decode step (bound: 1)
 
 
 def load_prompts() -> dict[str, list[str]]:
@@ -102,6 +106,15 @@ def token_acceptance(steps: list[StepStats]) -> float:
                 judged += min(r.accepted + 1, r.drafted)
                 accepted += r.accepted
     return accepted / judged if judged else 0.0
+
+
+def verify_cost(steps: list[StepStats], plain_step_s: float) -> float:
+    """Mean decode step less its drafting, over a plain decode step: what verifying k + 1
+    tokens per request (and the step's bookkeeping) costs in plain steps. The analytic bound
+    takes it to be 1."""
+    if not steps or plain_step_s <= 0:
+        return 0.0
+    return sum(s.wall_s - s.prefill_s - s.draft_s for s in steps) / len(steps) / plain_step_s
 
 
 class _StepLog:
@@ -256,13 +269,14 @@ def _bench_class(engines, hf, log, ps, cfg, dtype, batch, cls, prog, task) -> li
         a_tok = token_acceptance(dec)
         bound = analytic_bound(a_tok, k, c)
         dec_s = decode_time(res["steps"])
+        v_cost = verify_cost(dec, t_plain_step)
         dspeed = (tok / dec_s) / (base.tokens / base.decode_s)
         d1 = sum(x.drafted_per_position[0] for x in st)
         alpha = sum(x.accepted_per_position[0] for x in st) / d1 if d1 else None
         rows.append(BenchRow(dtype, batch, cls, f"ours-{drafter}", k, tok, wall, tok / wall, (tok / wall) / base.tok_s,
                              a, sum(x.emitted for x in st) / max(steps, 1), c, bound, dspeed / bound,
                              res["outs"] == plain_tokens, dname if drafter == "draft" else None, alpha, a_tok, dec_s,
-                             dspeed))
+                             dspeed, v_cost))
     return rows
 
 
@@ -325,8 +339,8 @@ def _print(con: Console, rows: list[BenchRow]) -> None:
     keys = sorted({(r.dtype, r.batch) for r in rows}, key=lambda t: (t[0], t[1]))
     for dtype, batch in keys:
         table = Table(title=f"{dtype}, batch {batch}")
-        for col in ("class", "method", "k", "tok/s", "speedup", "dec.sp", "alpha", "acc.rate", "a", "acc.len", "c", "bound",
-                    "eff.", "exact"):
+        for col in ("class", "method", "k", "tok/s", "speedup", "dec.sp", "alpha", "acc.rate", "a", "acc.len", "c", "v.cost",
+                    "bound", "eff.", "exact"):
             table.add_column(col, justify="right" if col not in ("class", "method") else "left")
         for r in rows:
             if (r.dtype, r.batch) != (dtype, batch):
@@ -335,7 +349,7 @@ def _print(con: Console, rows: list[BenchRow]) -> None:
             method = r.method + (f" ({_short(r.draft)})" if r.draft and many else "")
             table.add_row(r.request_class, method, str(r.k) if r.k else "-", f"{r.tok_s:.1f}", f"{r.speedup:.2f}x",
                           _fmt(r.decode_speedup), _fmt(r.alpha), _fmt(r.acceptance), _fmt(r.token_acceptance), _fmt(r.mean_accepted_length), _fmt(r.cost_ratio, ".3f"),
-                          _fmt(r.bound), _fmt(r.efficiency), "-" if r.same_tokens is None else
+                          _fmt(r.verify_cost), _fmt(r.bound), _fmt(r.efficiency), "-" if r.same_tokens is None else
                           ("yes" if r.same_tokens else "no"))
         con.print(table)
 
@@ -377,8 +391,8 @@ def markdown_report(data: dict) -> str:
                 out.append(f"| efficiency >= 0.85, draft k={k} ({_short(x.get('draft') or '-')}) | {dt} | {b} | {cls} | "
                            f"{x['efficiency']:.2f} | 0.85 | {'met' if x['efficiency'] >= 0.85 else '**missed**'} |")
     keys = sorted({(r["dtype"], r["batch"]) for r in rows})
-    cols = ("class", "method", "k", "tok/s", "speedup", "dec.sp", "alpha", "acc.rate", "a", "acc.len", "c", "bound", "eff.",
-            "exact")
+    cols = ("class", "method", "k", "tok/s", "speedup", "dec.sp", "alpha", "acc.rate", "a", "acc.len", "c", "v.cost", "bound",
+            "eff.", "exact")
     for dt, b in keys:
         out += ["", f"**{dt}, batch {b}**", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         many = len({r.get("draft") for r in rows if r.get("draft")}) > 1
@@ -390,7 +404,8 @@ def markdown_report(data: dict) -> str:
             out.append("| " + " | ".join([
                 r["request_class"], method, str(r["k"]) if r["k"] else "-", f"{r['tok_s']:.1f}", f"{r['speedup']:.2f}x",
                 _fmt(r.get("decode_speedup")), _fmt(r.get("alpha")), _fmt(r.get("acceptance")), _fmt(r.get("token_acceptance")),
-                _fmt(r.get("mean_accepted_length")), _fmt(r.get("cost_ratio"), ".3f"), _fmt(r.get("bound")),
+                _fmt(r.get("mean_accepted_length")), _fmt(r.get("cost_ratio"), ".3f"), _fmt(r.get("verify_cost")),
+                _fmt(r.get("bound")),
                 _fmt(r.get("efficiency")), "-" if same is None else ("yes" if same else "no")]) + " |")
     return "\n".join(out) + "\n"
 

@@ -3,7 +3,7 @@ bound's formula assumes; accepted / drafted does not (the negative control)."""
 import numpy as np
 import pytest
 
-from adaptspec.engine.bench import analytic_bound, token_acceptance
+from adaptspec.engine.bench import analytic_bound, token_acceptance, verify_cost
 from adaptspec.engine.stats import RequestStepStats, StepStats
 
 
@@ -42,6 +42,18 @@ def test_token_acceptance_counts_only_judged_candidates():
     assert analytic_bound(0.5, 2, 0.1) == pytest.approx((1 + 0.5 + 0.25) / 1.2)
 
 
+def test_verify_cost_is_the_step_less_its_drafting_over_a_plain_step():
+    def st(wall, draft, prefill=0.0):
+        return StepStats(step=0, batch_size=1, num_prefill=0, prefill_tokens=0, verify_tokens=5, context_tokens=10,
+                         num_waiting=0, prefill_s=prefill, draft_s=draft, verify_s=wall - draft - prefill, other_s=0.0,
+                         wall_s=wall)
+
+    # steps of 12 and 14 ms with 2 and 2 ms of drafting: 11 ms a step against a 10 ms plain one
+    assert verify_cost([st(0.012, 0.002), st(0.014, 0.002)], 0.010) == pytest.approx(1.1)
+    assert verify_cost([st(0.013, 0.002, prefill=0.001)], 0.010) == pytest.approx(1.0)
+    assert verify_cost([], 0.010) == 0.0
+
+
 def test_bench_interleaves_methods_and_checks_exactness(tiny_dir, tiny_draft_dir, monkeypatch):
     """`adaptspec bench` end to end on tiny models: every method runs every prompt, the
     methods take turns chunk by chunk (a slow minute hits them alike), and the greedy
@@ -69,6 +81,8 @@ def test_bench_interleaves_methods_and_checks_exactness(tiny_dir, tiny_draft_dir
     for r in rows:
         assert r.tokens == base.tokens  # the same 3 prompts, ignore_eos: every method makes the same tokens
     assert all(r.same_tokens for r in rows[1:3])
+    assert base.verify_cost is None and all(r.verify_cost is None for r in rows if r.method.startswith("hf"))
+    assert all(r.verify_cost > 0 for r in rows[1:3])
     # interleaved: ours ran chunk by chunk, the first method rotating (3 chunks, 3 of our methods)
     ours = order[1:]  # order[0]: the warm-up
     assert len(ours) == 9
