@@ -45,5 +45,5 @@ def run_demo(max_new_tokens: int = 64, dtype: str = "float32") -> None:
         con.print(f"\n[bold]{cls}[/] prompt: {prompt.splitlines()[0]}")
         con.print(plain[0].text, markup=False, highlight=False)
     con.print(table)
-    con.print("The draft is a stand-in (the target's first 4 layers) until the distilled draft ships; "
-              "run `adaptspec bench` for the full comparison.")
+    con.print(f"The draft is {DEFAULT_DRAFT}, the feature-level head distilled for this target (its model card: "
+              "adaptspec/data/models/smollm2-135m-draft/README.md); run `adaptspec bench` for the full comparison.")

@@ -7,6 +7,7 @@ its draft for one end-to-end test and is deleted after it.
 """
 from __future__ import annotations
 
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -139,11 +140,14 @@ def test_stats_and_policy_update(service):
     pol = client.update_policy("ucb", pins={"chat": ("ngram", 2)})
     assert pol.policy == "ucb"
     assert [(c.arm, c.pinned) for c in pol.classes if c.request_class == "chat"] == [("ngram:2", True)]
-    time.sleep(0.5)  # replicas pick the snapshot up at their next report (0.1 s here)
-    r = client.generate(prompt_token_ids=_prompt(4), max_tokens=8, request_class="chat", timeout=60)
-    # the engine records the effective k: smaller near max_tokens (none on the last token)
-    assert {a.arm for a in r.speculation.arms} <= {"ngram:2", "ngram:1", "none:0"}
-    assert any(a.arm == "ngram:2" for a in r.speculation.arms)
+    # replicas pick the snapshot up at their next report (0.1 s here; a request in flight then
+    # switches mid-way): poll until a whole request runs on the pinned arm. The engine records
+    # the effective k: smaller near max_tokens (none on the last token)
+    def on_pin():
+        x = client.generate(prompt_token_ids=_prompt(4), max_tokens=8, request_class="chat", timeout=60)
+        arms = {a.arm for a in x.speculation.arms}
+        return arms <= {"ngram:2", "ngram:1", "none:0"} and "ngram:2" in arms and x
+    _wait_for(on_pin, "a chat request to run on the pinned arm ngram:2 alone")
     pol = client.update_policy("thompson", unpin=["chat"])
     assert not any(c.pinned for c in pol.classes) and client.policy().policy == "thompson"
 
@@ -176,7 +180,8 @@ def test_bad_policy_update_is_invalid_argument(service):
                           (dict(unpin=["code_edit"]), "unpin")):
         with pytest.raises(grpc.RpcError) as err:
             client.update_policy(**kwargs)
-        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert re.search(rf"\b{field}\b", err.value.details()), err.value.details()
 
 
 def _long(client: Client, **kw):
@@ -210,8 +215,9 @@ def test_deadline_aborts_and_frees_the_slot(service):
     with pytest.raises(grpc.RpcError) as err:
         client.generate(**slow)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    with pytest.raises(grpc.RpcError):
+    with pytest.raises(grpc.RpcError) as err:
         list(client.stream(**slow))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     _wait_for(lambda: _idle(client), "the expired requests to free their slots")
 
 
@@ -335,4 +341,5 @@ def test_background_probes_count_their_calls(service):
     assert got["calls"] > 0 and got["errors"] == 0 and got["calls_per_s"] > 0
     assert miss["calls"] == 0 and miss["errors"] > 0
     assert ok.stop() is None  # idempotent
-    assert got["seconds"] > 1.5  # counted from when the clients were connected
+    # the rate is over the seconds the clients were connected (no wall-clock bound: the machine may be slow)
+    assert 0 < got["seconds"] < 2.0 + 60 and got["calls_per_s"] == pytest.approx(got["calls"] / got["seconds"])

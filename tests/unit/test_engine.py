@@ -76,7 +76,9 @@ def test_stats_are_consistent(engine):
     # every output token but the prefill's first comes from a verification step
     assert st.emitted == len(out.token_ids) - 1
     assert st.accepted == sum(st.accepted_per_position) <= st.drafted
-    assert st.mean_accepted_length == pytest.approx(st.emitted / st.steps)
+    # a step emits its accepted tokens plus one (recovered or bonus), except where the request
+    # stopped inside its last step, which can cut at most k = 4 of them
+    assert 0 <= st.accepted + st.steps - st.emitted <= 4 and st.steps >= 1
     step = engine.last_step
     assert step.verify_tokens >= step.batch_size and step.wall_s >= step.verify_s
 
@@ -104,7 +106,7 @@ def test_stop_strings_and_abort(engine):
     (lambda: SpecConfig("medusa", 2), "drafter"),
 ])
 def test_bad_parameters_name_the_field(make, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):  # the word, not letters inside another
         make()
 
 

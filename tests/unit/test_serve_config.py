@@ -62,7 +62,7 @@ def test_unknown_app_arg_is_refused():
     ({"placement": "disaggregated", "models": {"draft": "smollm2-135m-draft"}}, "draft head"),
 ])
 def test_bad_config_names_the_field(data, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ValueError, match=rf"\b{field}\b"):  # the word, not letters inside another
         ServiceConfig.model_validate(data)
 
 
