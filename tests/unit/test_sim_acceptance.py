@@ -27,6 +27,9 @@ def test_simulated_mean_accepted_length_matches_closed_form(a, k):
     L = res.runs[0].mean_accepted_length
     expected = (1 - a ** (k + 1)) / (1 - a)
     assert L == pytest.approx(expected, rel=0.01)
+    # the control: the same tolerance tells this law from one whose acceptance is 0.03 off
+    for off in (a - 0.03, a + 0.03):
+        assert L != pytest.approx((1 - off ** (k + 1)) / (1 - off), rel=0.01)
 
 
 def test_position_model_sampling_matches_its_probs():
@@ -36,6 +39,8 @@ def test_position_model_sampling_matches_its_probs():
     # P(accepted >= 1) = 0.9, >= 2 = 0.45, >= 3 = 0.09, >= 4 = 0.018 (last prob repeats)
     for j, p in enumerate([0.9, 0.45, 0.09, 0.018], start=1):
         assert (acc >= j).mean() == pytest.approx(p, abs=0.005)
+    # the control: i.i.d. acceptance at the first position's 0.9 would put 0.81 at >= 2
+    assert (acc >= 2).mean() != pytest.approx(0.81, abs=0.005)
     assert mean_accepted_length(m, 5) == pytest.approx(1 + 0.9 + 0.45 + 0.09 + 0.018 + 0.0036)
 
 
