@@ -19,3 +19,17 @@ def fail_cleanly(fn):
             raise typer.Exit(2) from None
 
     return wrapper
+
+
+def console(stderr: bool = False):
+    """A rich console for the commands' tables and progress. Where the output is not a
+    terminal (a log file, a pipe, CI) and ``COLUMNS`` is unset, 140 columns rather than rich's
+    80, so that tables reach a log whole instead of with truncated headers."""
+    import os
+
+    from rich.console import Console
+
+    con = Console(stderr=stderr)
+    if not con.is_terminal and "COLUMNS" not in os.environ:
+        con = Console(stderr=stderr, width=140)
+    return con

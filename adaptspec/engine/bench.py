@@ -41,6 +41,7 @@ from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from adaptspec.clierr import console as _console
 from adaptspec.engine.stats import StepStats
 
 
@@ -129,7 +130,7 @@ def run_bench(cfg: BenchConfig, json_path: str | None = None) -> list[BenchRow]:
     from adaptspec import SpecConfig
     from adaptspec.models.registry import DEFAULT_DRAFT
 
-    con = Console()
+    con = _console()
     prompts = load_prompts()
     classes = cfg.classes or list(prompts)
     for c in classes:

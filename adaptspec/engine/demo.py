@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import time
 
-from rich.console import Console
 from rich.table import Table
+
+from adaptspec.clierr import console as _console
 
 DEMO_PROMPTS = {
     "code_edit": "Add type hints to this function and return the full code:\n\n"
@@ -19,7 +20,7 @@ def run_demo(max_new_tokens: int = 64, dtype: str = "float32") -> None:
     from adaptspec.models.pull import pull
     from adaptspec.models.registry import DEFAULT_DRAFT, DEFAULT_TARGET
 
-    con = Console()
+    con = _console()
     con.rule("AdaptSpec demo: plain vs speculative decoding (greedy, exact)")
     pull(DEFAULT_TARGET)
     pull(DEFAULT_DRAFT)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import typer
 
-from adaptspec.clierr import fail_cleanly
+from adaptspec.clierr import fail_cleanly, console as _console
 
 
 def register(app: typer.Typer) -> None:
@@ -22,7 +22,6 @@ def register(app: typer.Typer) -> None:
     @models.command("list")
     def list_cmd() -> None:
         """Show built-in aliases and what is cached under $ADAPTSPEC_HOME."""
-        from rich.console import Console
         from rich.table import Table
 
         from adaptspec.models.registry import BUILTIN, alias_dir, home, is_complete, list_cached
@@ -45,6 +44,6 @@ def register(app: typer.Typer) -> None:
         for name, (folder, size) in sizes.items():
             if name not in BUILTIN:
                 table.add_row(name, "yes", f"{size / 1e6:.0f} MB", str(folder))
-        Console().print(table)
+        _console().print(table)
 
     app.add_typer(models, name="models")

@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from adaptspec.clierr import fail_cleanly
+from adaptspec.clierr import fail_cleanly, console as _console
 
 
 def register(app: typer.Typer) -> None:
@@ -77,7 +77,6 @@ def serve(
     write_serve_config: Optional[str] = typer.Option(None, help="write the Ray Serve config here and exit"),
 ) -> None:
     """Run the service: local Ray, Serve's gRPC proxy, TargetEngine (the ingress), Controller."""
-    from rich.console import Console
 
     from adaptspec.serve.config import load_config, write_serve_config as write
 
@@ -89,7 +88,7 @@ def serve(
     if write_serve_config:
         print(f"wrote {write(cfg, write_serve_config)} (serve run {write_serve_config})")
         return
-    console = Console()
+    console = _console()
     address = start_embedded(cfg, console)
     console.print(f"[bold green]AdaptSpec is up.[/] {how_to_call(address, cfg.app_name)}\nCtrl-C stops it.")
     wait_for_ctrl_c(console)
@@ -183,7 +182,6 @@ def stats(
 ) -> None:
     """A live per-class table: arm, acceptance, mean accepted length, goodput; per replica load."""
     from google.protobuf.json_format import MessageToDict
-    from rich.console import Console
     from rich.live import Live
 
     from adaptspec.serve.client import Client
@@ -192,11 +190,16 @@ def stats(
         if as_json:
             print(json.dumps(MessageToDict(c.stats())))
             return
+        con = _console()
         if once:
-            Console().print(stats_table(c.stats()))
+            con.print(stats_table(c.stats()))
             return
         try:
-            with Live(stats_table(c.stats()), refresh_per_second=4) as live:
+            if not con.is_terminal:  # a log or a pipe: a table every interval (a live view shows nothing there)
+                while True:
+                    con.print(stats_table(c.stats()))
+                    time.sleep(interval)
+            with Live(stats_table(c.stats()), refresh_per_second=4, console=con) as live:
                 while True:
                     time.sleep(interval)
                     live.update(stats_table(c.stats()))
@@ -243,13 +246,12 @@ def loadtest(
     json_path: Optional[str] = typer.Option(None, "--json", help="write results to this JSON file"),
 ) -> None:
     """Closed-loop load on loopback gRPC: TTFT, TPOT, E2E p50/p99, throughput, goodput, arms."""
-    from rich.console import Console
     from rich.table import Table
 
     from adaptspec.serve.client import Client
     from adaptspec.serve.loadtest import LoadSpec, Probes, as_json, run_level, summarize, top_arm
 
-    console = Console()
+    console = _console()
     spec = LoadSpec([c for c in classes.split(",") if c], max_tokens, slo_ttft, slo_tpot)
     levels = [int(x) for x in concurrency.split(",") if x]
     results = []

@@ -12,6 +12,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from adaptspec.clierr import console as _console
+
 CLASSES = ["chat", "code_edit", "extraction"]
 
 
@@ -26,7 +28,7 @@ class Sample:
 
 def run_demo(config_path: str | None, levels: list[int], level_seconds: float, max_tokens: int, plot: str,
              keep_running: bool) -> None:
-    from rich.console import Console, Group
+    from rich.console import Group
     from rich.live import Live
     from rich.text import Text
 
@@ -36,7 +38,7 @@ def run_demo(config_path: str | None, levels: list[int], level_seconds: float, m
     from adaptspec.serve.config import load_config
     from adaptspec.serve.loadtest import LoadSpec, run_level, summarize
 
-    console = Console()
+    console = _console()
     t_start = time.perf_counter()
     cfg = load_config(config_path)
     address = start_embedded(cfg, console)

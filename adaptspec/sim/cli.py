@@ -6,6 +6,8 @@ from typing import List, Optional
 
 import typer
 
+from adaptspec.clierr import console as _console
+
 
 def register(app: typer.Typer) -> None:
     """Add this area's commands to the main app."""
@@ -22,7 +24,6 @@ def register(app: typer.Typer) -> None:
         """Run a scenario against its policies; print a table per policy."""
         import time
 
-        from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
         from rich.table import Table
 
@@ -30,7 +31,7 @@ def register(app: typer.Typer) -> None:
         from adaptspec.sim.runner import run_scenario
         from adaptspec.sim.scenario import load_scenario
 
-        console = Console()
+        console = _console()
         try:
             sc, base = load_scenario(scenario)
         except (ValueError, OSError) as e:

@@ -51,3 +51,16 @@ def test_models_list_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("ADAPTSPEC_HOME", str(tmp_path))
     res = runner.invoke(app, ["models", "list"])
     assert res.exit_code == 0 and "smollm2-135m" in res.output
+
+
+def test_tables_in_a_log_are_not_cut_to_80_columns(monkeypatch):
+    """Output that is not a terminal (CliRunner captures it, like a log) gets 140 columns unless
+    COLUMNS says otherwise: `models list` prints its descriptions whole."""
+    from adaptspec.clierr import console
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert console().width == 140
+    res = runner.invoke(app, ["models", "list"])
+    assert res.exit_code == 0 and max(len(ln) for ln in res.output.splitlines()) > 80
+    monkeypatch.setenv("COLUMNS", "60")
+    assert console().width == 60
