@@ -50,6 +50,14 @@ class GuardedProposer(Proposer):
         except Exception as exc:
             self._fault(f"on_verified raised {type(exc).__name__}: {exc}")
 
+    def observe_hidden(self, seq, position, hidden) -> None:
+        # a head that misses features stops drafting for that sequence (it checks positions),
+        # so a failure here costs drafts, never the request
+        try:
+            self.inner.observe_hidden(seq, position, hidden)
+        except Exception as exc:
+            self._fault(f"observe_hidden raised {type(exc).__name__}: {exc}")
+
     def release(self, seq) -> None:
         try:
             self.inner.release(seq)
@@ -84,6 +92,9 @@ class FaultyProposer(Proposer):
     def on_verified(self, seq, num_tokens_before, num_accepted, hidden) -> None:
         self.inner.on_verified(seq, num_tokens_before, num_accepted, hidden)
 
+    def observe_hidden(self, seq, position, hidden) -> None:
+        self.inner.observe_hidden(seq, position, hidden)
+
     def release(self, seq) -> None:
         self.inner.release(seq)
 
@@ -97,4 +108,6 @@ def guard_proposers(engine, *, inject=None, timeout_s: float = 5.0, cooldown_s: 
         guard = GuardedProposer(prop, timeout_s=timeout_s, cooldown_s=cooldown_s)
         engine.proposers[name] = guard
         guards.append(guard)
+    # the engine hands the target's features to these: the guards, not the proposers they wrap
+    engine._feature_sinks = [p for p in engine.proposers.values() if p.wants_hidden]
     return guards

@@ -194,3 +194,30 @@ def _hf_config(folder: Path):
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(folder)
+
+
+def test_a_head_whose_feature_intake_raises_costs_drafts_not_requests(target_dir, tmp_path):
+    """The service guards every drafter call, the target features a head is handed included:
+    an exception in ``observe_hidden`` means fewer drafts, the exact output, and a counted fault."""
+    from adaptspec.serve.faults import guard_proposers
+
+    folder = _random_head(target_dir, tmp_path / "head")
+    t = load_model(str(target_dir))
+    eng = Engine(t, load_draft(str(folder), t))
+    prompts, p = [[1, 2, 3, 4, 5], [7, 8, 9]], SamplingParams(max_new_tokens=25)
+    want = [o.token_ids for o in eng.generate(prompts, p, SpecConfig("none", 0))]
+    head = eng.proposers["draft"]
+    calls = {"n": 0}
+    real = head.observe_hidden
+
+    def flaky(seq, position, hidden):
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("injected: out of memory while keeping features")
+        real(seq, position, hidden)
+
+    head.observe_hidden = flaky
+    guards = guard_proposers(eng, cooldown_s=0.0)
+    got = [o.token_ids for o in eng.generate(prompts, p, SpecConfig("draft", 3))]
+    assert got == want and calls["n"] > 3
+    assert sum(g.faults for g in guards) > 0
