@@ -104,7 +104,12 @@ class Engine:
         params, spec = params or SamplingParams(), spec or SpecConfig()
         self._check_spec(spec)
         ids = self.encode(prompt, raw)
+        if not ids:
+            raise ValueError("prompt: the prompt tokenizes to no tokens")
         limit = self.config.max_model_len - MAX_K - 1
+        if len(ids) >= limit:  # too long whatever max_new_tokens is: the prompt is at fault
+            raise ValueError(f"prompt: {len(ids)} tokens, past the context limit (at most {limit - 1} fit with one "
+                             f"new token; max_model_len={self.config.max_model_len})")
         if len(ids) + params.max_new_tokens > limit:
             raise ValueError(f"max_new_tokens={params.max_new_tokens} is past the context limit: the prompt has "
                              f"{len(ids)} tokens and at most {limit} fit (max_model_len={self.config.max_model_len})")

@@ -7,9 +7,12 @@ DRAFTERS = ("none", "ngram", "draft")
 MAX_K = 16
 
 
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy: logits / 1e-38 overflow to inf, then NaN
+
+
 @dataclass(slots=True)
 class SamplingParams:
-    """How to sample one request. ``temperature == 0`` is greedy."""
+    """How to sample one request. ``temperature`` 0 (or below ``GREEDY_BELOW``, its limit) is greedy."""
 
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -37,7 +40,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass(slots=True)

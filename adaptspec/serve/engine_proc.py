@@ -19,8 +19,8 @@ Protocol (pickled messages, ``multiprocessing.connection``):
 
 The engine process exits when its socket closes, so it never outlives its replica (a
 replica killed by Ray closes it too). If the engine process dies, every caller gets
-INTERNAL, later requests are refused, and the replica's health check fails, so Serve
-replaces the replica: nothing admitted is lost.
+UNAVAILABLE, later requests are refused with it, and the replica's health check fails, so
+Serve replaces the replica: nothing admitted is lost.
 """
 from __future__ import annotations
 

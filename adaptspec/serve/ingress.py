@@ -17,13 +17,14 @@ It imports neither torch nor the models.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 
 from adaptspec.proto import adaptspec_pb2 as pb
 from adaptspec.proto import health_pb2
 from adaptspec.serve import convert
-from adaptspec.serve.types import INVALID_ARGUMENT
+from adaptspec.serve.types import INVALID_ARGUMENT, UNAVAILABLE
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["AdaptSpec"].full_name  # adaptspec.v1.AdaptSpec
 HEALTH_WATCH_INTERVAL_S = 1.0
@@ -42,12 +43,15 @@ class Ingress:
         except ValueError as exc:
             _refuse(grpc_context, INVALID_ARGUMENT, str(exc))
             return pb.GenerateResponse()
-        async for chunk in self.engine_stream(req):
-            if chunk.error is not None:
-                _refuse(grpc_context, chunk.error.code, chunk.error.message)
-                return pb.GenerateResponse()
-            if chunk.finished:
-                return convert.to_response(chunk, req.request_class)
+        # aclosing: when Serve cancels this call (deadline, client gone), the engine stream's
+        # own cleanup (abort, free the slot) runs now, not whenever the generator is collected
+        async with contextlib.aclosing(self.engine_stream(req)) as chunks:
+            async for chunk in chunks:
+                if chunk.error is not None:
+                    _refuse(grpc_context, chunk.error.code, chunk.error.message)
+                    return pb.GenerateResponse()
+                if chunk.finished:
+                    return convert.to_response(chunk, req.request_class)
         _refuse(grpc_context, "INTERNAL", "the engine stream ended without a final chunk")
         return pb.GenerateResponse()
 
@@ -57,17 +61,30 @@ class Ingress:
         except ValueError as exc:
             _refuse(grpc_context, INVALID_ARGUMENT, str(exc))
             raise RequestRefused(str(exc)) from None
-        async for chunk in self.engine_stream(req):
-            if chunk.error is not None:
-                _refuse(grpc_context, chunk.error.code, chunk.error.message)
-                raise RequestRefused(chunk.error.message)
-            yield convert.to_chunk(chunk, req.request_class)
+        async with contextlib.aclosing(self.engine_stream(req)) as chunks:
+            async for chunk in chunks:
+                if chunk.error is not None:
+                    _refuse(grpc_context, chunk.error.code, chunk.error.message)
+                    raise RequestRefused(chunk.error.message)
+                yield convert.to_chunk(chunk, req.request_class)
 
     async def GetStats(self, request: pb.GetStatsRequest, grpc_context) -> pb.GetStatsResponse:
-        return convert.to_stats(await self.controller.stats.remote())
+        out = await self._ask_controller(grpc_context, "stats")
+        return pb.GetStatsResponse() if out is None else convert.to_stats(out)
 
     async def GetPolicy(self, request: pb.GetPolicyRequest, grpc_context) -> pb.PolicyState:
-        return convert.to_policy_state(await self.controller.policy.remote())
+        out = await self._ask_controller(grpc_context, "policy")
+        return pb.PolicyState() if out is None else convert.to_policy_state(out)
+
+    async def _ask_controller(self, grpc_context, method: str, *args):
+        """The controller's answer, or None after setting UNAVAILABLE (it is restarting, say)."""
+        try:
+            return await getattr(self.controller, method).remote(*args)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            _refuse(grpc_context, UNAVAILABLE, f"the controller is unavailable ({type(exc).__name__}); retry")
+            return None
 
     async def UpdatePolicy(self, request: pb.UpdatePolicyRequest, grpc_context) -> pb.PolicyState:
         try:
@@ -75,7 +92,9 @@ class Ingress:
         except ValueError as exc:
             _refuse(grpc_context, INVALID_ARGUMENT, str(exc))
             return pb.PolicyState()
-        out = await self.controller.update_policy.remote(upd)
+        out = await self._ask_controller(grpc_context, "update_policy", upd)
+        if out is None:
+            return pb.PolicyState()
         if isinstance(out, str):
             _refuse(grpc_context, INVALID_ARGUMENT, out)
             return pb.PolicyState()

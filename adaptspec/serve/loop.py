@@ -33,9 +33,11 @@ from dataclasses import dataclass
 
 from adaptspec.control.types import Arm
 from adaptspec.serve.types import (
-    INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, ClassDelta, EngineChunk, EngineRequest, ErrorInfo,
+    INTERNAL, INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, ClassDelta, EngineChunk, EngineRequest, ErrorInfo,
     PolicySnapshot, ReplicaState,
 )
+
+MAX_FAILED_STEPS = 3  # consecutive failed steps after which the engine counts as gone (the replica is replaced)
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +69,7 @@ class EngineCore:
         self._wake = threading.Event()
         self._meta: dict[str, _Meta] = {}
         self._stop = False
+        self._failed_steps = 0
         engine.step_listeners.append(self.step_stats.append)
         self._thread = threading.Thread(target=self._main, name="adaptspec-engine", daemon=True)
 
@@ -123,7 +126,12 @@ class EngineCore:
             except Exception as exc:  # an engine bug: fail every live request, never lose one
                 log.exception("engine step failed")
                 self._fail_all(f"engine step failed: {type(exc).__name__}: {exc}")
+                self._failed_steps += 1
+                if self._failed_steps >= MAX_FAILED_STEPS:  # a sticky error: stop taking requests
+                    raise RuntimeError(f"{self._failed_steps} engine steps in a row failed, the last with "
+                                       f"{type(exc).__name__}: {exc}") from exc
                 continue
+            self._failed_steps = 0
             self.sink.deliver([c for c in map(self._chunk, outs) if c is not None])
 
     def _drain_inbox(self) -> bool:
@@ -141,8 +149,13 @@ class EngineCore:
                                             request_id=req.request_id, request_class=req.request_class,
                                             raw=req.raw)
                     self._meta[req.request_id] = _Meta(req.request_class, req.arm is not None, req.stream)
-                except ValueError as exc:
+                except ValueError as exc:  # bad input: the message names the field
                     err = str(exc)
+                except Exception as exc:  # anything else fails this request alone; the engine goes on
+                    log.exception("request %s could not start", req.request_id)
+                    if req.request_id in self.engine.requests:
+                        self.engine.abort(req.request_id)
+                    err = ErrorInfo(INTERNAL, f"request could not start: {type(exc).__name__}: {exc}")
                 self.sink.admitted(req.request_id, err)
             elif op == "abort":
                 if self._meta.pop(a, None) is not None:
@@ -195,6 +208,7 @@ class _Stream:
     admitted: asyncio.Future
     text_deltas: bool
     text: str = ""
+    stop: tuple[str, ...] = ()  # the request's stop strings: their beginnings are held back
 
 
 class _Callers:
@@ -227,12 +241,13 @@ class _Callers:
         refused = None
         with self._lock:
             if self._dead is not None:
-                refused = _error(req, INTERNAL, self._dead)
+                refused = _error(req, UNAVAILABLE, self._dead)
             elif len(self._streams) >= self.max_in_flight:
                 refused = _error(req, RESOURCE_EXHAUSTED, f"queue full: {self.max_in_flight} requests in flight on "
                                                           f"replica {self.replica_id}; retry later")
             else:
-                stream = _Stream(loop, asyncio.Queue(), loop.create_future(), req.stream)
+                stream = _Stream(loop, asyncio.Queue(), loop.create_future(), req.stream,
+                                 stop=tuple(s for s in req.params.stop if s))
                 self._streams[req.request_id] = stream
         if refused is not None:
             yield refused
@@ -241,6 +256,9 @@ class _Callers:
         try:
             self._post(("add", req))
             err = await stream.admitted
+            if isinstance(err, ErrorInfo):
+                yield _error(req, err.code, err.message)
+                return
             if err is not None:
                 yield _error(req, INVALID_ARGUMENT, _field_message(err))
                 return
@@ -261,12 +279,23 @@ class _Callers:
                 self._streams.pop(req.request_id, None)
 
     def _text_delta(self, stream: _Stream, chunk: EngineChunk, ids: list[int]) -> None:
-        text = chunk.text if chunk.finished else self._detok.decode(ids, skip_special_tokens=True)
-        if chunk.finished or not text.endswith("\ufffd"):  # hold back a partial multi-byte character
-            chunk.text = text[len(stream.text):] if text.startswith(stream.text) else text
-            stream.text = text
+        """The text a chunk adds. Held back until the next chunk: a partial multi-byte
+        character, and an ending that could be the beginning of a stop string (the engine cuts
+        a matched stop string from the final text, so what was streamed stays a prefix of it)."""
+        if chunk.finished:
+            text = chunk.text
         else:
-            chunk.text = ""
+            text = self._detok.decode(ids, skip_special_tokens=True)
+            text = text[:len(text) - _stop_prefix_len(text, stream.stop)]
+            if text.endswith("\ufffd") or len(text) < len(stream.text):
+                chunk.text = ""
+                return
+        if text.startswith(stream.text):
+            chunk.text = text[len(stream.text):]
+        else:  # cannot happen with the hold-back above; never send the streamed text twice
+            log.warning("request %s: final text does not extend the streamed text", chunk.request_id)
+            chunk.text = text[len(stream.text):] if len(text) > len(stream.text) else ""
+        stream.text = text
 
     def take_step_stats(self) -> list:
         return _drain(self._step_stats)
@@ -290,12 +319,13 @@ class _Callers:
         pass
 
     def _engine_gone(self, why: str) -> None:
-        """Every caller gets an INTERNAL error; later requests are refused with it."""
+        """Every caller gets UNAVAILABLE (another replica can serve a retry); later requests
+        are refused with it, and the replica's health check fails, so Serve replaces it."""
         with self._lock:
             self._dead = why
             streams = list(self._streams.items())
         for rid, stream in streams:
-            _call_soon(stream, _fail_stream, stream, _failed(rid, why))
+            _call_soon(stream, _fail_stream, stream, _failed(rid, why, UNAVAILABLE))
 
 
 class EngineLoop(_Callers):
@@ -379,8 +409,19 @@ def _fail_stream(stream: _Stream, chunk: EngineChunk) -> None:
     stream.queue.put_nowait(chunk)
 
 
-def _failed(request_id: str, message: str) -> EngineChunk:
-    return EngineChunk(request_id, finished=True, finish_reason="error", error=ErrorInfo(INTERNAL, message))
+def _failed(request_id: str, message: str, code: str = INTERNAL) -> EngineChunk:
+    return EngineChunk(request_id, finished=True, finish_reason="error", error=ErrorInfo(code, message))
+
+
+def _stop_prefix_len(text: str, stops: tuple[str, ...]) -> int:
+    """The length of the longest ending of ``text`` that begins one of ``stops`` (0: none)."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
 
 
 def _error(req: EngineRequest, code: str, message: str) -> EngineChunk:

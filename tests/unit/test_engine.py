@@ -117,9 +117,29 @@ def test_bad_requests_name_the_field(engine, tiny_dir):
         engine.add_request([])
     with pytest.raises(ValueError, match="max_new_tokens"):
         engine.add_request([1, 2], SamplingParams(max_new_tokens=500))
+    limit = engine.config.max_model_len - 16 - 1  # room for k = 16 candidates and the bonus token
+    with pytest.raises(ValueError, match=r"^prompt: 111 tokens"):  # too long whatever max_new_tokens is
+        engine.add_request([1] * limit, SamplingParams(max_new_tokens=1))
+    engine.abort(engine.add_request([1] * (limit - 1), SamplingParams(max_new_tokens=1)))  # the longest that fits
+    real = engine.encode
+    try:
+        engine.encode = lambda prompt, raw=False: []  # a text that tokenizes to nothing
+        with pytest.raises(ValueError, match=r"^prompt: the prompt tokenizes to no tokens"):
+            engine.add_request("\u200b")
+    finally:
+        engine.encode = real
     no_draft = Engine.from_pretrained(str(tiny_dir), max_num_seqs=1, max_model_len=64)
     with pytest.raises(ValueError, match="drafter"):
         no_draft.add_request([1], spec=SpecConfig("draft", 2))
+
+
+def test_a_temperature_too_small_to_divide_by_is_greedy(engine):
+    """logits / 1e-30 overflow to inf and softmax to NaN: such temperatures are greedy, their limit."""
+    assert SamplingParams(temperature=1e-30).greedy and not SamplingParams(temperature=1e-4).greedy
+    greedy = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12))[0].token_ids
+    tiny = engine.generate([PROMPTS[0]], SamplingParams(max_new_tokens=12, temperature=1e-30, seed=1),
+                           SpecConfig("draft", 3))[0].token_ids
+    assert tiny == greedy
 
 
 def test_draft_with_another_vocabulary_is_refused(tiny_dir, tmp_path):

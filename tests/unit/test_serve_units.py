@@ -140,8 +140,8 @@ def test_engine_process_streams_exact_tokens_frees_slots_and_fails_callers_when_
     assert st.drafter_faults > 0  # the injected faults ran in the engine process; the output stayed exact
     assert bad[0].error.code == "INVALID_ARGUMENT" and "prompt_token_ids" in bad[0].error.message
     assert stats and sum(1 for cls, reason, _ in finished if cls == "chat" and reason == "length") == 2
-    assert rest[-1].error.code == "INTERNAL" and "engine process" in rest[-1].error.message
-    assert after[0].error.code == "INTERNAL" and not alive
+    assert rest[-1].error.code == "UNAVAILABLE" and "engine process" in rest[-1].error.message
+    assert after[0].error.code == "UNAVAILABLE" and not alive
 
 
 async def _drain_all(gen) -> list:
@@ -151,8 +151,11 @@ async def _drain_all(gen) -> list:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("isolation", ["thread", "process"])
 def test_an_engine_that_dies_or_stops_fails_its_callers_instead_of_leaving_them_waiting(engines, tiny_dir, isolation):
-    """A bug that kills the engine thread outside a step (here: an arm without a k), and a
-    replica stopping with requests in flight: every caller gets INTERNAL."""
+    """A replica stopping with requests in flight, and a bug that kills the engine thread
+    outside a step (here: a malformed command): every caller gets UNAVAILABLE (a retry can go
+    to another replica), later ones are refused with it. A request that cannot start for a
+    reason other than its input (an arm without a k) fails alone, with INTERNAL, while the
+    running one finishes."""
     from types import SimpleNamespace
 
     from adaptspec.serve.engine_proc import ProcessEngineLoop
@@ -176,23 +179,57 @@ def test_an_engine_that_dies_or_stops_fails_its_callers_instead_of_leaving_them_
         finally:
             loop_.stop()
         loop_ = await start()
-        try:  # the engine thread dies
+        try:
             running = loop_.generate(_req("b", PROMPTS[0], 200, stream=True))
-            await running.__anext__()
+            first = await running.__anext__()
             bad_arm = _req("c", [1, 2], arm=SimpleNamespace(drafter="none"))
             broken = await asyncio.wait_for(_drain_all(loop_.generate(bad_arm)), 60)
-            rest = await asyncio.wait_for(_drain_all(running), 60)
+            rest = [first] + await asyncio.wait_for(_drain_all(running), 60)
+            doomed = loop_.generate(_req("e", PROMPTS[0], 200, stream=True))
+            await doomed.__anext__()
+            loop_._post(("malformed",))  # the engine thread dies unpacking it
+            dead = await asyncio.wait_for(_drain_all(doomed), 60)
             after = await asyncio.wait_for(_drain_all(loop_.generate(_req("d", PROMPTS[1]))), 60)
-            return stopped, broken, rest, after, loop_.alive
+            return stopped, broken, rest, dead, after, loop_.alive
         finally:
             loop_.stop()
 
-    stopped, broken, rest, after, alive = asyncio.run(run())
-    assert stopped[-1].error.code == "INTERNAL" and "shutting down" in stopped[-1].error.message
-    for name, chunks in (("broken", broken), ("rest", rest), ("after", after)):
+    stopped, broken, rest, dead, after, alive = asyncio.run(run())
+    assert stopped[-1].error.code == "UNAVAILABLE" and "shutting down" in stopped[-1].error.message
+    assert broken[-1].error.code == "INTERNAL" and "could not start" in broken[-1].error.message
+    assert rest[-1].finished and rest[-1].error is None and sum(len(c.token_ids) for c in rest) == 200
+    for name, chunks in (("dead", dead), ("after", after)):
         assert chunks[-1].finished and chunks[-1].error is not None, (name, chunks[-1])
-        assert chunks[-1].error.code == "INTERNAL", (name, chunks[-1].error)
-    assert "engine" in rest[-1].error.message and not alive
+        assert chunks[-1].error.code == "UNAVAILABLE", (name, chunks[-1].error)
+    assert "engine" in dead[-1].error.message and not alive
+
+
+def test_steps_that_keep_failing_end_the_engine(engines):
+    """One failed step fails its batch (INTERNAL) and the engine goes on; a sticky error
+    (three failed steps in a row) ends it, so health fails and Serve replaces the replica."""
+    from adaptspec.serve.loop import MAX_FAILED_STEPS, EngineLoop
+
+    eng = engines(seqs=2)
+    real, calls = eng.step, {"n": 0}
+
+    def step():
+        calls["n"] += 1
+        if calls["n"] == 1 or calls["n"] > 2:  # fails, works once, then fails for good
+            raise RuntimeError("injected: device-side assert")
+        return real()
+
+    eng.step = step
+    loop_ = EngineLoop(eng, max_queued=4)
+    try:
+        outs = [_collect(loop_, _req(f"r{i}", PROMPTS[1], 4)) for i in range(MAX_FAILED_STEPS + 2)]
+    finally:
+        alive = loop_.alive
+        loop_.stop()
+    codes = [o[-1].error.code if o[-1].error else None for o in outs]
+    # r0 fails in step 1; r1 gets step 2 (works) then fails in step 3, r2 and r3 fail in steps 4-5:
+    # three in a row, the engine is gone and r4 is refused
+    assert codes[:4] == ["INTERNAL"] * 4 and "device-side assert" in outs[0][-1].error.message
+    assert codes[4] == "UNAVAILABLE" and "in a row" in outs[4][-1].error.message and not alive
 
 
 def test_engine_process_that_cannot_load_says_why(tmp_path):
@@ -459,3 +496,75 @@ def test_bf16_on_a_cpu_without_the_kernel_warns(monkeypatch, caplog):
     monkeypatch.setattr(cpu_gemm, "enabled", lambda: True)
     _warn_slow_bf16(ServiceConfig.model_validate({"models": {"dtype": "bfloat16"}}))
     assert not caplog.records
+
+
+def test_streamed_text_with_a_stop_string_adds_up_to_the_final_text(engines):
+    """A stop string that spans tokens: its beginning is held back while it could still
+    match, so the deltas add up to the final (stop-cut) text, never repeating it."""
+    from adaptspec import SamplingParams
+    from adaptspec.engine.params import SamplingParams as SP
+    from adaptspec.serve.loop import EngineLoop, _stop_prefix_len
+    from adaptspec.serve.types import EngineRequest
+
+    assert _stop_prefix_len("ab xy", ("xyz", "q")) == 2 and _stop_prefix_len("ab x", ("xyz",)) == 1
+    assert _stop_prefix_len("ab", ("xyz",)) == 0 and _stop_prefix_len("abxyz", ("xyz",)) == 0  # whole: the engine's
+    eng = engines()
+    full = eng.generate([PROMPTS[1]], SamplingParams(max_new_tokens=12, ignore_eos=True))[0].text  # varied words
+    words = full.split(" ")
+    assert len(words) >= 8, full
+    # two tokens' worth that first occur after a few tokens: the first arrives a step before the match
+    at = next(i for i in range(2, len(words) - 1) if full.find(" ".join(words[i:i + 2])) == len(" ".join(words[:i])) + 1)
+    stop = " ".join(words[at:at + 2])
+    loop_ = EngineLoop(engines(), max_queued=0)
+    try:
+        def req(rid, stream):
+            return EngineRequest(rid, "chat", SP(max_new_tokens=12, ignore_eos=True, stop=[stop]),
+                                 prompt_token_ids=PROMPTS[1], stream=stream)
+        unary = _collect(loop_, req("u", False))
+        streamed = _collect(loop_, req("s", True))
+    finally:
+        loop_.stop()
+    final = unary[-1].text
+    assert final and stop not in final and full.startswith(final) and unary[-1].finish_reason == "stop"
+    assert "".join(c.text for c in streamed) == final and streamed[-1].finish_reason == "stop"
+
+
+def test_ingress_closes_the_engine_stream_at_once_and_answers_unavailable_without_a_controller():
+    from types import SimpleNamespace
+
+    import grpc
+
+    from adaptspec.proto import adaptspec_pb2 as pb
+    from adaptspec.serve.ingress import Ingress
+    from adaptspec.serve.types import EngineChunk
+
+    closed = []
+
+    class Broken:
+        def remote(self, *a):
+            raise RuntimeError("actor died")
+
+    class Host(Ingress):
+        config = ServiceConfig.model_validate({"models": {"draft": None}})
+        controller = SimpleNamespace(stats=Broken(), policy=Broken(), update_policy=Broken())
+
+        async def engine_stream(self, req):
+            try:
+                for i in range(100):
+                    yield EngineChunk(req.request_id, [i])
+                    await asyncio.sleep(0)
+            finally:
+                closed.append(req.request_id)  # where the engine loop aborts the request
+
+    async def cancel_mid_stream():
+        stream = Host().GenerateStream(pb.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=4), _Ctx())
+        await stream.__anext__()
+        await stream.aclose()  # what Serve does when the client cancels or its deadline passes
+        return list(closed)
+
+    assert len(asyncio.run(cancel_mid_stream())) == 1  # the engine's cleanup ran before aclose returned
+    for call, req in ((Host().GetStats, pb.GetStatsRequest()), (Host().GetPolicy, pb.GetPolicyRequest()),
+                      (Host().UpdatePolicy, pb.UpdatePolicyRequest(policy="ucb"))):
+        ctx = _Ctx()
+        asyncio.run(call(req, ctx))
+        assert ctx.code == grpc.StatusCode.UNAVAILABLE and "controller" in ctx.details
