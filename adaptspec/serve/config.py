@@ -59,6 +59,9 @@ class EngineOptions(_Strict):
     max_queued: int = Field(64, ge=0, description="requests waiting for a KV slot per replica before "
                                                   "RESOURCE_EXHAUSTED")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; null: num_cpus of the replica")
+    stall_timeout_s: float = Field(300.0, gt=0, description="an engine step (or a drafter call inside it) that has "
+                                   "not returned after this long while requests wait: the engine counts as gone "
+                                   "(callers get UNAVAILABLE, health fails, Serve replaces the replica)")
     isolation: Literal["auto", "process", "thread"] = Field(
         "auto", description="where a replica runs its engine: `process` (an engine process of its own next to the "
                             "replica, so Serve's request handling never holds the engine thread's GIL), `thread` (a "

@@ -253,7 +253,8 @@ def main(fd: int) -> int:
         conn.send(("error", traceback.format_exc()))
         return 1
     sink = _ConnSink(conn)
-    core = sink.core = EngineCore(engine, sink, faults_fn=lambda: sum(g.faults for g in guards), on_death=_die)
+    core = sink.core = EngineCore(engine, sink, faults_fn=lambda: sum(g.faults for g in guards), on_death=_die,
+                                  stall_timeout_s=cfg.engine.stall_timeout_s)
     conn.send(("ready", {"drafters": core.drafters, "max_num_seqs": engine.config.max_num_seqs,
                          "tokenizer": engine.tokenizer}))
     core.start()

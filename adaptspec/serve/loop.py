@@ -29,6 +29,7 @@ import copy
 import dataclasses
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 from adaptspec.control.types import Arm
@@ -56,7 +57,7 @@ class EngineCore:
     every step (the chunks to hand out; may be empty) and ``after_commands()`` after a drain
     of the inbox that changed something."""
 
-    def __init__(self, engine, sink, *, faults_fn=None, on_death=None):
+    def __init__(self, engine, sink, *, faults_fn=None, on_death=None, stall_timeout_s: float = 300.0):
         self.engine = engine
         self.sink = sink
         self.on_death = on_death  # called with the reason if the engine thread dies of an error
@@ -70,12 +71,30 @@ class EngineCore:
         self._meta: dict[str, _Meta] = {}
         self._stop = False
         self._failed_steps = 0
+        self.stall_timeout_s = stall_timeout_s
+        self._step_started: float | None = None  # monotonic start of the step running now
         engine.step_listeners.append(self.step_stats.append)
         self._thread = threading.Thread(target=self._main, name="adaptspec-engine", daemon=True)
+        self._watchdog = threading.Thread(target=self._watch, name="adaptspec-engine-watchdog", daemon=True)
 
     def start(self) -> EngineCore:
         self._thread.start()
+        self._watchdog.start()
         return self
+
+    def _watch(self) -> None:
+        """A step that never returns (a hung device, a drafter call stuck inside it) keeps the
+        thread alive but serves nobody: past ``stall_timeout_s`` the engine counts as gone."""
+        while not self._stop:
+            time.sleep(min(1.0, self.stall_timeout_s / 4))
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.stall_timeout_s and not self._stop:
+                self._stop = True
+                log.error("engine step stalled for over %.0f s", self.stall_timeout_s)
+                if self.on_death is not None:
+                    self.on_death(f"engine stalled: a step has not returned in {self.stall_timeout_s:.0f} s; "
+                                  "the replica is being replaced, retry")
+                return
 
     @property
     def alive(self) -> bool:
@@ -121,6 +140,7 @@ class EngineCore:
                 self._wake.clear()
                 continue
             self._apply_arms()
+            self._step_started = time.monotonic()
             try:
                 outs = eng.step()
             except Exception as exc:  # an engine bug: fail every live request, never lose one
@@ -131,6 +151,10 @@ class EngineCore:
                     raise RuntimeError(f"{self._failed_steps} engine steps in a row failed, the last with "
                                        f"{type(exc).__name__}: {exc}") from exc
                 continue
+            finally:
+                self._step_started = None
+            if self._stop:  # the watchdog gave up on this step: its callers have been told
+                return
             self._failed_steps = 0
             self.sink.deliver([c for c in map(self._chunk, outs) if c is not None])
 
@@ -331,11 +355,13 @@ class _Callers:
 class EngineLoop(_Callers):
     """The engine core on a thread of this process."""
 
-    def __init__(self, engine, *, max_queued: int, replica_id: str = "local", faults_fn=None):
+    def __init__(self, engine, *, max_queued: int, replica_id: str = "local", faults_fn=None,
+                 stall_timeout_s: float = 300.0):
         self.engine = engine
         super().__init__(drafters=("none", *engine.proposers), max_in_flight=engine.config.max_num_seqs + max_queued,
                          replica_id=replica_id, detok=copy.deepcopy(engine.tokenizer))
-        self.core = EngineCore(engine, self, faults_fn=faults_fn, on_death=self._engine_gone)
+        self.core = EngineCore(engine, self, faults_fn=faults_fn, on_death=self._engine_gone,
+                               stall_timeout_s=stall_timeout_s)
         self._step_stats, self._finished = self.core.step_stats, self.core.finished
         self.core.start()
 

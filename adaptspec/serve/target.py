@@ -68,7 +68,7 @@ class TargetEngine(Ingress):
             engine.proposers["draft"] = RemoteDraftProposer(drafter, self.replica_id, asyncio.get_running_loop())
         guards = guard_proposers(engine, inject=cfg.faults)
         return EngineLoop(engine, max_queued=cfg.engine.max_queued, replica_id=self.replica_id,
-                          faults_fn=lambda: sum(g.faults for g in guards))
+                          faults_fn=lambda: sum(g.faults for g in guards), stall_timeout_s=cfg.engine.stall_timeout_s)
 
     def engine_stream(self, req: EngineRequest):
         """``EngineChunk``s for one request (rules in ``adaptspec.serve.loop``)."""

@@ -568,3 +568,32 @@ def test_ingress_closes_the_engine_stream_at_once_and_answers_unavailable_withou
         ctx = _Ctx()
         asyncio.run(call(req, ctx))
         assert ctx.code == grpc.StatusCode.UNAVAILABLE and "controller" in ctx.details
+
+
+def test_a_step_that_never_returns_ends_the_engine(engines):
+    """A hung step keeps the engine thread alive but serves nobody: past the stall timeout the
+    callers get UNAVAILABLE and the replica stops counting as alive (health fails)."""
+    import threading
+
+    from adaptspec.serve.loop import EngineLoop
+
+    eng = engines()
+    release = threading.Event()
+    real = eng.step
+
+    def hung_step():
+        release.wait(30)  # a device that does not answer
+        return real()
+
+    eng.step = hung_step
+    loop_ = EngineLoop(eng, max_queued=2, stall_timeout_s=0.5)
+    try:
+        assert loop_.alive
+        out = _collect(loop_, _req("a", PROMPTS[1], 4))
+        alive = loop_.alive
+        after = _collect(loop_, _req("b", PROMPTS[1], 4))
+    finally:
+        release.set()
+        loop_.stop()
+    assert out[-1].error.code == "UNAVAILABLE" and "stalled" in out[-1].error.message and not alive
+    assert after[0].error.code == "UNAVAILABLE"
