@@ -27,6 +27,7 @@ def complete(
     top_k: int = typer.Option(0),
     max_new_tokens: int = typer.Option(64),
     seed: Optional[int] = typer.Option(None),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="stop string (repeatable); cut from the text"),
     dtype: str = typer.Option("float32", help="float32 | bfloat16"),
     device: str = typer.Option("cpu"),
     raw: bool = typer.Option(False, help="do not apply the chat template"),
@@ -38,7 +39,7 @@ def complete(
 
     spec = SpecConfig(drafter, k if drafter != "none" else 0)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            seed=seed)
+                            seed=seed, stop=list(stop or []))
     if drafter == "draft" and draft is None:
         draft = DEFAULT_DRAFT
     engine = Engine.from_pretrained(target, draft=draft if drafter == "draft" else None, dtype=dtype,

@@ -106,6 +106,7 @@ def generate(
     top_p: Optional[float] = typer.Option(None),
     top_k: int = typer.Option(0),
     seed: Optional[int] = typer.Option(None),
+    stop: Optional[list[str]] = typer.Option(None, "--stop", help="stop string (repeatable); cut from the text"),
     drafter: Optional[str] = typer.Option(None, help="fix the arm (experiments): none | ngram | draft"),
     k: int = typer.Option(4, help="with --drafter"),
     raw: bool = typer.Option(False),
@@ -119,7 +120,7 @@ def generate(
     from adaptspec.serve.client import Client
 
     fields = dict(request_class=request_class, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                  top_k=top_k, seed=seed, raw=raw,
+                  top_k=top_k, seed=seed, raw=raw, stop=stop or [],
                   speculation=(drafter, 0 if drafter == "none" else k) if drafter else None)
     try:
         with Client(address, app_name) as c:

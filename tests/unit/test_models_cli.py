@@ -42,6 +42,18 @@ def test_complete_json_on_a_local_folder(tiny_dir):
     assert out["stats"]["steps"] == 11 - out["stats"]["accepted"]  # 11 tokens after the prefill's first
 
 
+def test_complete_stops_at_a_stop_string(tiny_dir):
+    args = ["complete", "t1 t2 t3 t1 t2", "--target", str(tiny_dir), "--raw", "--drafter", "ngram", "--k", "3",
+            "--max-new-tokens", "12", "--json"]
+    full = json.loads(runner.invoke(app, args).output.strip().splitlines()[-1])["text"]
+    words = full.split(" ")
+    at = next(i for i in range(1, len(words)) if full.find(words[i]) == len(" ".join(words[:i])) + 1)
+    res = runner.invoke(app, args + ["--stop", words[at], "--stop", "never there"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output.strip().splitlines()[-1])
+    assert out["text"] == full[:full.find(words[at])] and len(out["token_ids"]) == at + 1  # up to the stop token
+
+
 def test_complete_rejects_bad_k(tiny_dir):
     res = runner.invoke(app, ["complete", "t1", "--target", str(tiny_dir), "--raw", "--k", "17"])
     assert res.exit_code == 2 and "k must be" in res.output
