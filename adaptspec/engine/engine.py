@@ -48,6 +48,10 @@ class Engine:
         self.tokenizer = target.tokenizer
         self.device = target.model.device
         cap = min(self.config.max_model_len, target.model.cfg.max_position)
+        if draft is not None and draft.model.cfg.max_position < cap:  # its rotary tables end there
+            log.warning("max_model_len %d -> %d: the draft %s has positions up to %d only", cap,
+                        draft.model.cfg.max_position, draft.name, draft.model.cfg.max_position)
+            cap = draft.model.cfg.max_position
         self.config.max_model_len = cap
         self.target.model.allocate_cache(self.config.max_num_seqs, cap)
         self.proposers: dict[str, Proposer] = {
@@ -328,8 +332,9 @@ class Engine:
                 h = hidden[r, :accepted + 1] if prop.wants_hidden else None
                 prop.on_verified(s, before, accepted, h)
             n_emitted = self._append(s, toks, outputs)
+            # accepted = drafted tokens kept: none past an EOS or stop string that ended the request
             rs = RequestStepStats(s.request_id, s.request_class, s.spec.drafter if k else "none", k,
-                                  len(d.token_ids), accepted, n_emitted)
+                                  len(d.token_ids), min(accepted, n_emitted), n_emitted)
             s.stats.observe_step(rs)
             self.totals.observe_step(rs)
             stats.append(rs)
@@ -343,10 +348,10 @@ class Engine:
             new.append(tok)
             if tok in self.eos_ids and not s.params.ignore_eos:
                 self._finish(s, "stop")
+            elif s.params.stop and self._hit_stop(s):  # before the length: the last token may complete one
+                self._finish(s, "stop")
             elif s.remaining <= 0:
                 self._finish(s, "length")
-            elif s.params.stop and self._hit_stop(s):
-                self._finish(s, "stop")
             if s.finished:
                 break
         out = outputs.get(s.request_id)

@@ -19,9 +19,9 @@ class RequestStepStats:
     request_id: str
     request_class: str
     drafter: str
-    k: int  # candidates asked for (the arm's k)
+    k: int  # candidates asked for this step: the arm's k, clamped to the tokens the request has left
     drafted: int  # candidates actually proposed (n-gram may find fewer)
-    accepted: int
+    accepted: int  # drafted tokens kept (none past an EOS or a stop string that ended the request)
     emitted: int
 
 

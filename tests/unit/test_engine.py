@@ -165,3 +165,42 @@ def test_failing_drafter_means_k_zero_not_a_lost_request(engine, monkeypatch):
     outs = engine.generate(PROMPTS[:2], params, SpecConfig("draft", 4))
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert engine.drafter_errors > errors
+
+
+def test_a_stop_string_completed_by_the_last_allowed_token_still_stops(engine):
+    full = engine.generate([PROMPTS[1]], SamplingParams(max_new_tokens=12))[0]
+    words = full.text.split(" ")
+    at = next(i for i in range(1, len(words)) if full.text.find(words[i]) == len(" ".join(words[:i])) + 1)
+    out = engine.generate([PROMPTS[1]], SamplingParams(max_new_tokens=at + 1, stop=[words[at]]))[0]
+    assert out.finish_reason == "stop" and out.text == full.text[:full.text.find(words[at])]
+
+
+def test_accepted_counts_only_drafted_tokens_kept(tiny_dir):
+    """The target as its own draft accepts every candidate; a stop string inside a step ends the
+    request there, and the candidates after it are not counted as accepted."""
+    eng = Engine.from_pretrained(str(tiny_dir), draft=str(tiny_dir), max_num_seqs=2, max_model_len=128)
+    full = eng.generate([PROMPTS[1]], SamplingParams(max_new_tokens=20))[0]
+    words = full.text.split(" ")
+    at = next(i for i in range(3, len(words)) if full.text.find(words[i]) == len(" ".join(words[:i])) + 1)
+    steps = []
+    eng.step_listeners.append(steps.append)
+    out = eng.generate([PROMPTS[1]], SamplingParams(max_new_tokens=20, stop=[words[at]]), SpecConfig("draft", 8))[0]
+    rs = [r for s in steps for r in s.requests]
+    assert out.finish_reason == "stop" and rs[-1].drafted > rs[-1].emitted  # the stop cut the last step short
+    assert all(r.accepted <= r.emitted for r in rs) and out.stats.accepted == sum(r.accepted for r in rs)
+    assert sum(out.stats.accepted_per_position) == out.stats.accepted
+
+
+def test_a_draft_with_a_shorter_context_caps_the_engines(tiny_dir, tmp_path):
+    import json
+    import shutil
+
+    short = tmp_path / "short"
+    shutil.copytree(tiny_dir, short)
+    cfg = json.loads((short / "config.json").read_text())
+    cfg["max_position_embeddings"] = 48
+    (short / "config.json").write_text(json.dumps(cfg))
+    eng = Engine.from_pretrained(str(tiny_dir), draft=str(short), max_num_seqs=1, max_model_len=128)
+    assert eng.config.max_model_len == 48
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        eng.add_request([1, 2, 3], SamplingParams(max_new_tokens=40))
