@@ -80,7 +80,10 @@ def successes_failures(accepted_hist: np.ndarray) -> tuple[np.ndarray, np.ndarra
 class DiscountedBeta:
     """Beta(alpha, beta) per (row, position), discounted toward the prior at every update.
 
-    A row is one drafter of one request class; positions are 1..max_k.
+    A row is one drafter of one request class; positions are 1..max_k. Every update (an
+    observed step of the class, whichever drafter ran it) discounts every row, so the evidence
+    on a drafter the policy stopped using fades too, and it gets tried again: without that, a
+    drafter that lost once was never re-explored when its acceptance rose.
     """
 
     max_k: int
@@ -105,10 +108,10 @@ class DiscountedBeta:
     def update(self, accepted_hist: np.ndarray, row: int = 0) -> None:
         h = accepted_hist[: self.max_k + 1]
         n = h.size - 1
-        # decay the evidence (not the prior) so an old regime is forgotten
-        ab = self._ab[:, row]
-        ab *= self.discount
-        ab += self._prior
+        # decay the evidence (not the prior) of every row, so an old regime is forgotten, also
+        # by the drafters not in use
+        self._ab *= self.discount
+        self._ab += self._prior[:, :, None]
         self.a[row, :n] += np.add.accumulate(h[::-1])[-2::-1]  # successes at position i: accepted >= i
         self.b[row, :n] += h[:n]  # failures at position i: accepted == i - 1
         self.updates += 1

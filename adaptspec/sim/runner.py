@@ -200,7 +200,7 @@ def run_scenario(sc: Scenario, base: Path | None, *, only: list[str] | None = No
 
 
 def _shift_hook(run: PolicyRun, clock: list[float], truths: list[ClassTruth]) -> Callable[[], None]:
-    shifts = sorted(t.shift_at_s for t in truths if t.shift_at_s is not None)
+    shifts = sorted({t.shift_at_s for t in truths if t.shift_at_s is not None})  # as the simulator: once per time
 
     def hook() -> None:
         # the simulator calls this exactly when simulated time passes a shift
