@@ -72,7 +72,8 @@ def draft_features(forwards: np.ndarray, tokens: np.ndarray, ngram_requests: np.
 
 @dataclass(slots=True)
 class _DiscountedRidge:
-    """y ~ x . theta, evidence discounted per update, shrunk toward a prior theta0."""
+    """y ~ x . theta, evidence discounted per update, shrunk toward a prior: a ridge toward
+    theta0, plus any pseudo-observations ``seed`` absorbed (the prior is the pair A0, b0)."""
 
     dim: int
     discount: float
@@ -82,40 +83,40 @@ class _DiscountedRidge:
     b: np.ndarray = field(init=False)
     theta: np.ndarray = field(init=False)
     _dirty: bool = field(init=False, default=False)
-    _diag: np.ndarray = field(init=False, repr=False)
-    _prior_b: np.ndarray = field(init=False, repr=False)
+    _A0: np.ndarray = field(init=False, repr=False)
+    _b0: np.ndarray = field(init=False, repr=False)
+    _keep_A: np.ndarray = field(init=False, repr=False)
+    _keep_b: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.A = self.prior_weight * np.eye(self.dim)
-        self.b = self.prior_weight * self.theta0.copy()
-        self.theta = self.theta0.copy()
-        self._keep()
+        self._A0 = self.prior_weight * np.eye(self.dim)
+        self._b0 = self.prior_weight * self.theta0.copy()
+        self._reset()
 
-    def _keep(self) -> None:
-        """What every update adds back of the prior: (1 - g) of its weight on A's diagonal
-        (a view, so updates touch it in place) and of its theta0 in b."""
-        self._diag = self.A.reshape(-1)[:: self.dim + 1]
-        self._prior_b = (1 - self.discount) * self.prior_weight * self.theta0
+    def _reset(self) -> None:
+        self.A, self.b = self._A0.copy(), self._b0.copy()
+        self.theta = np.linalg.solve(self.A, self.b)
+        # what every update adds back of the prior, so discounting never forgets it
+        self._keep_A = (1 - self.discount) * self._A0
+        self._keep_b = (1 - self.discount) * self._b0
 
     def seed(self, X: np.ndarray, y: np.ndarray, weight: float) -> None:
-        """Absorb pseudo-observations (from a profile) into the prior."""
-        A0 = self.prior_weight * np.eye(self.dim) + weight * X.T @ X
-        b0 = self.prior_weight * self.theta0 + weight * X.T @ y
-        self.theta0 = np.linalg.solve(A0, b0)
-        self.prior_weight = float(np.trace(A0) / self.dim)
-        self.A = A0
-        self.b = b0
-        self.theta = self.theta0.copy()
-        self._keep()
+        """Add pseudo-observations (from a profile) to the prior. Calls accumulate: seeding
+        the same curve at three contexts fits all three together (each call used to become the
+        ridge centre of the next, with an equal weight on every coefficient, so a coefficient
+        only the later calls could see, the context term, was pulled to the first call's 0)."""
+        self._A0 = self._A0 + weight * X.T @ X
+        self._b0 = self._b0 + weight * X.T @ y
+        self._reset()
 
     def update(self, x: np.ndarray, y: float) -> None:
         g = self.discount
         self.A *= g
-        # keep (1 - g) of the prior each step so discounting never forgets it
-        self._diag += (1 - g) * self.prior_weight
+        self.A += self._keep_A
         self.A += x[:, None] * x
         self.b *= g
-        self.b += self._prior_b + y * x
+        self.b += self._keep_b
+        self.b += y * x
         self._dirty = True
 
     def coef(self) -> np.ndarray:
@@ -165,9 +166,13 @@ class OnlineStepCost:
         """Seed the prior with pseudo-steps predicted by ``model`` (e.g. a profile)."""
         n = np.unique(np.geomspace(1, max_tokens, 24).astype(int)).astype(float)
         none = np.zeros(n.size)
+        # the profile's fixed per-step overhead is the "other" part here, learned on its own:
+        # seeded there, not into the verify curve (predict adds other_s to it)
+        overhead = float(getattr(model, "step_overhead_s", 0.0))
         for ctx in (0.0, 256.0 * 64, 2048.0 * 128):
-            t0 = model.predict(n, ctx, np.zeros(max_k), 0.0, none, none, ctx / 64)
+            t0 = model.predict(n, ctx, np.zeros(max_k), 0.0, none, none, ctx / 64) - overhead
             self.verify.seed(verify_features(n, ctx), t0, weight)
+        self.other_s, self._other_w = overhead, 1.0  # one pseudo-step: the first real ones replace it
         b = np.unique(np.geomspace(1, 256, 10).astype(int)).astype(float)
         one = np.ones(b.size)
         zero = np.zeros(b.size)

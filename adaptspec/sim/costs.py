@@ -110,6 +110,11 @@ class ProfileCostModel:
         d = float(self.draft_forward_s(draft_batch, mean_context).sum()) + self.profile.ngram_s_per_request * ngram_requests
         return StepTime(d, float(self.verify_s(verify_tokens, context_tokens)), self.profile.step_overhead_s)
 
+    @property
+    def step_overhead_s(self) -> float:
+        """The fixed host seconds every step adds (``OnlineStepCost.seed_from`` seeds it apart)."""
+        return self.profile.step_overhead_s
+
     # the control.costmodel.StepCostModel protocol (used by the oracle and to seed priors)
     def predict(self, verify_tokens, context_tokens, draft_other, n_class, k_draft, ngram_requests, mean_context):
         K = max(draft_other.size, int(np.max(k_draft, initial=0)))

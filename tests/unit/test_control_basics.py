@@ -281,3 +281,35 @@ def test_classes_sharing_the_draft_forward_are_reconsidered_together():
     tight = Planner(table, {"a": ClassTarget("a", tpot_s=1.0)})
     kept = tight.plan_many(["a", "b"], Load(4), picture, np.stack([L, L]), {"a": 1.3, "b": 1.3}, Cost(0.010))
     assert [table.arms[i] for i in kept] == [Arm("draft", 1), Arm("draft", 1)]
+
+
+def test_a_cost_model_seeded_from_a_profile_predicts_the_profile():
+    """Seeding fits the profile's curve at every context together (the context term included)
+    and keeps its per-step overhead apart (the learned other_s adds it once); discounting
+    then keeps the profile as the prior: steps seen only at one size leave the rest of the
+    curve where the profile put it."""
+    from adaptspec.sim.gpu import builtin_profile
+
+    prof = builtin_profile("h100-8b-1b")
+    model = OnlineStepCost()
+    model.seed_from(prof, max_k=8)
+
+    def both(n, ctx):
+        args = (np.array([float(n)]), ctx, np.zeros(8), 0.0, np.zeros(1), np.zeros(1), ctx / 64)
+        return model.predict(*args)[0], prof.predict(*args)[0]
+
+    for n, ctx in ((1, 0.0), (1, 256.0 * 64), (5, 256.0 * 64), (9, 256.0 * 64), (64, 2048.0 * 128), (512, 4096.0)):
+        got, want = both(n, ctx)
+        assert got == pytest.approx(want, rel=0.08), (n, ctx)  # the old seeding: 0.6-1.6x
+    from adaptspec.control.costmodel import _CTX
+
+    verify_ctx = model.verify.coef()[-1] * _CTX  # per context token (the features scale context by _CTX)
+    assert verify_ctx == pytest.approx(prof.profile.verify_context_s_per_token, rel=0.25)
+    # 300 plain steps at batch 1 (true cost: the profile's): the curve at 5 and 9 tokens holds
+    ctx = 256.0 * 64
+    for _ in range(300):
+        y = prof.step(1, ctx, np.zeros(8), 0, ctx / 64)
+        model.observe(StepOutcome(1, 0, 1, ctx, y.draft_s, y.verify_s, y.other_s, y.wall_s), np.zeros(8), 0, ctx / 64)
+    for n in (1, 5, 9):
+        got, want = both(n, ctx)
+        assert got == pytest.approx(want, rel=0.05), n
