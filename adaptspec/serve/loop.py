@@ -270,8 +270,7 @@ class _Callers:
                 refused = _error(req, RESOURCE_EXHAUSTED, f"queue full: {self.max_in_flight} requests in flight on "
                                                           f"replica {self.replica_id}; retry later")
             else:
-                stream = _Stream(loop, asyncio.Queue(), loop.create_future(), req.stream,
-                                 stop=tuple(s for s in req.params.stop if s))
+                stream = _Stream(loop, asyncio.Queue(), loop.create_future(), req.stream, stop=tuple(req.params.stop))
                 self._streams[req.request_id] = stream
         if refused is not None:
             yield refused
