@@ -80,10 +80,11 @@ def successes_failures(accepted_hist: np.ndarray) -> tuple[np.ndarray, np.ndarra
 class DiscountedBeta:
     """Beta(alpha, beta) per (row, position), discounted toward the prior at every update.
 
-    A row is one drafter of one request class; positions are 1..max_k. Every update (an
-    observed step of the class, whichever drafter ran it) discounts every row, so the evidence
-    on a drafter the policy stopped using fades too, and it gets tried again: without that, a
-    drafter that lost once was never re-explored when its acceptance rose.
+    A row is one drafter of one request class; positions are 1..max_k. An update discounts
+    the row of the drafter that ran; a drafter the policy stopped using keeps its evidence, so
+    it is not tried again if its acceptance rises later (a known limit; fading every row at
+    every step was tried and reverted on 2026-12-01: it costs too much exploration where
+    speculation barely pays, see simulations/REPORT.md).
     """
 
     max_k: int
@@ -108,10 +109,10 @@ class DiscountedBeta:
     def update(self, accepted_hist: np.ndarray, row: int = 0) -> None:
         h = accepted_hist[: self.max_k + 1]
         n = h.size - 1
-        # decay the evidence (not the prior) of every row, so an old regime is forgotten, also
-        # by the drafters not in use
-        self._ab *= self.discount
-        self._ab += self._prior[:, :, None]
+        # decay the evidence (not the prior) so an old regime is forgotten
+        ab = self._ab[:, row]
+        ab *= self.discount
+        ab += self._prior
         self.a[row, :n] += np.add.accumulate(h[::-1])[-2::-1]  # successes at position i: accepted >= i
         self.b[row, :n] += h[:n]  # failures at position i: accepted == i - 1
         self.updates += 1

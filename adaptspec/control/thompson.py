@@ -16,7 +16,7 @@ import time
 
 @dataclass(slots=True)
 class ThompsonConfig:
-    discount: float = 0.995  # per observed step, acceptance posteriors
+    discount: float = 0.995  # acceptance posteriors: per observed step of the drafter that ran it
     cost_discount: float = 0.998  # per observed step, the step-cost regression
     margin: float = 0.9  # keep predicted TPOT within margin * target
     # budget TPOT with the accepted length a short request (short_tokens) reaches at z

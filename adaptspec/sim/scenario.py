@@ -181,7 +181,7 @@ class _PolicyBase(_Strict):
 
 class ThompsonSpec(_PolicyBase):
     kind: Literal["thompson"]
-    discount: float = Field(0.995, gt=0, le=1, description="posterior discount per step")
+    discount: float = Field(0.995, gt=0, le=1, description="acceptance posterior discount per step of the drafter that ran it")
     cost_discount: float = Field(0.998, gt=0, le=1, description="cost-model discount per step")
     margin: float = Field(0.9, gt=0, le=1, description="keep predicted TPOT within margin x target")
     spread_z: float = Field(2.0, ge=0, description="budget TPOT at z standard errors below a short request's mean accepted length")

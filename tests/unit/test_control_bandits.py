@@ -111,35 +111,3 @@ def test_bandit_readapts_after_a_class_shift(kind, before):
     recovered = int(np.argmax(window >= 0.95)) if (window >= 0.95).any() else None
     assert recovered is not None and recovered <= READAPT_STEPS[kind], f"{kind}: recovered at {recovered}"
 
-
-CHAT_DRAFT_RISES = {"draft": BernoulliAcceptance(0.9), "ngram": BernoulliAcceptance(0.2)}
-CHAT_DRAFT_USELESS = {"draft": BernoulliAcceptance(0.02), "ngram": BernoulliAcceptance(0.2)}
-
-
-def test_thompson_tries_again_a_drafter_it_stopped_using():
-    """Chat's draft is useless, so Thompson settles on n-gram; then the draft becomes excellent.
-    The draft's evidence fades while it is not used (every observed step of the class discounts
-    every drafter's posterior), so it is tried again and taken. Control: with the fading
-    limited to the drafter that ran (the old behaviour), the draft is never tried again."""
-    from adaptspec.control.acceptance import DiscountedBeta
-
-    def chat_draft_share(policy):
-        history = run(policy, (CODE, CHAT_DRAFT_USELESS), (CODE, CHAT_DRAFT_RISES), 2400, 300)
-        assert sum(b.drafter == "draft" for _, b in history[200:300]) <= 5  # settled away from the draft
-        return np.mean([b.drafter == "draft" for _, b in history[-300:]])
-
-    assert chat_draft_share(make("thompson")) > 0.9
-
-    real = DiscountedBeta.update
-
-    def row_only(self, accepted_hist, row=0):  # the old update: only the row that ran decays
-        keep = self._ab.copy()
-        real(self, accepted_hist, row)
-        others = [r for r in range(self.rows) if r != row]
-        self._ab[:, others] = keep[:, others]
-
-    DiscountedBeta.update = row_only
-    try:
-        assert chat_draft_share(make("thompson")) < 0.1
-    finally:
-        DiscountedBeta.update = real
