@@ -37,6 +37,14 @@ def make_tiny_model(folder: Path, *, vocab: int = 16, seed: int = 0, layers: int
     return folder
 
 
+def first_fresh_word(text: str, start: int = 1) -> int:
+    """Index (from ``start``) of the first space-separated word of ``text`` whose first
+    occurrence in the text, as a substring, is at its own position: a stop string that
+    matches there and nowhere earlier."""
+    words = text.split(" ")
+    return next(i for i in range(start, len(words)) if text.find(words[i]) == len(" ".join(words[:i])) + 1)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("tiny_target"), seed=0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 
 from adaptspec import Engine, SamplingParams, SpecConfig
-from tests.conftest import make_tiny_model
+from tests.conftest import first_fresh_word, make_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +170,7 @@ def test_failing_drafter_means_k_zero_not_a_lost_request(engine, monkeypatch):
 def test_a_stop_string_completed_by_the_last_allowed_token_still_stops(engine):
     full = engine.generate([PROMPTS[1]], SamplingParams(max_new_tokens=12))[0]
     words = full.text.split(" ")
-    at = next(i for i in range(1, len(words)) if full.text.find(words[i]) == len(" ".join(words[:i])) + 1)
+    at = first_fresh_word(full.text)
     out = engine.generate([PROMPTS[1]], SamplingParams(max_new_tokens=at + 1, stop=[words[at]]))[0]
     assert out.finish_reason == "stop" and out.text == full.text[:full.text.find(words[at])]
 
@@ -181,7 +181,7 @@ def test_accepted_counts_only_drafted_tokens_kept(tiny_dir):
     eng = Engine.from_pretrained(str(tiny_dir), draft=str(tiny_dir), max_num_seqs=2, max_model_len=128)
     full = eng.generate([PROMPTS[1]], SamplingParams(max_new_tokens=20))[0]
     words = full.text.split(" ")
-    at = next(i for i in range(3, len(words)) if full.text.find(words[i]) == len(" ".join(words[:i])) + 1)
+    at = first_fresh_word(full.text, 3)
     steps = []
     eng.step_listeners.append(steps.append)
     out = eng.generate([PROMPTS[1]], SamplingParams(max_new_tokens=20, stop=[words[at]]), SpecConfig("draft", 8))[0]

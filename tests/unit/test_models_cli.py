@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 
 from adaptspec.cli import app
 from adaptspec.models.registry import HubUnreachableError, resolve
+from tests.conftest import first_fresh_word
 
 runner = CliRunner()
 
@@ -47,7 +48,7 @@ def test_complete_stops_at_a_stop_string(tiny_dir):
             "--max-new-tokens", "12", "--json"]
     full = json.loads(runner.invoke(app, args).output.strip().splitlines()[-1])["text"]
     words = full.split(" ")
-    at = next(i for i in range(1, len(words)) if full.find(words[i]) == len(" ".join(words[:i])) + 1)
+    at = first_fresh_word(full)
     res = runner.invoke(app, args + ["--stop", words[at], "--stop", "never there"])
     assert res.exit_code == 0, res.output
     out = json.loads(res.output.strip().splitlines()[-1])
