@@ -195,8 +195,10 @@ def test_full_queue_is_resource_exhausted_and_cancel_frees_slots(service):
     # wait for all of them to be in flight (400 tokens each: the config's limit, seconds of
     # work) rather than reading from the "first" ones
     streams = [_long(client) for _ in range(MAX_NUM_SEQS + MAX_QUEUED)]
-    _wait_for(lambda: client.stats().replicas[0].in_flight == MAX_NUM_SEQS + MAX_QUEUED, "a full queue")
-    assert client.stats().replicas[0].free_slots == 0  # MAX_NUM_SEQS running, the rest queued
+    # in_flight counts the replica's streams, free_slots its scheduler: the engine admits a
+    # request a little after its stream opens, so wait for both (MAX_NUM_SEQS running, the rest queued)
+    _wait_for(lambda: (r := client.stats().replicas[0]).in_flight == MAX_NUM_SEQS + MAX_QUEUED and r.free_slots == 0,
+              "a full queue")
     with pytest.raises(grpc.RpcError) as err:
         client.generate(prompt_token_ids=[1, 2], max_tokens=4, timeout=30)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -230,8 +232,8 @@ def test_drafter_that_raises_still_gives_the_target_output(service, reference):
                                         timeout=60))
             assert [t for c in chunks for t in c.token_ids] == reference(_prompt(i), 30)
             assert chunks[-1].finished
-        st = faulty.stats()
-        assert st.replicas and st.replicas[0].drafter_faults > 0
+        # replicas report to the controller every report_interval_s: the stats lag the steps
+        _wait_for(lambda: (r := faulty.stats().replicas) and r[0].drafter_faults > 0, "the replica's drafter faults")
         with pytest.raises(grpc.RpcError) as err:  # strict classes
             faulty.generate(prompt_token_ids=[1, 2], request_class="poetry", timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "request_class" in err.value.details()
@@ -290,7 +292,8 @@ def test_disaggregated_placement_end_to_end(service, reference, tiny_dir, tiny_d
             assert list(r.token_ids) == reference(_prompt(i), 20)
             assert any(a.arm.startswith("draft:") for a in r.speculation.arms)
         assert sum(r.speculation.drafted for r in outs) > 0
-        assert client.stats().replicas[0].drafter_faults == 0
+        # a report that has seen this app's steps (the stats lag them by a report interval)
+        assert _wait_for(lambda: (r := client.stats().replicas) and r[0].steps > 0 and r[0], "a report").drafter_faults == 0
     finally:
         client.close()
         serve.delete("disagg")
