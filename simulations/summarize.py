@@ -152,9 +152,25 @@ def interactive_goals(d: dict) -> list[str]:
     return out
 
 
+def recover_lines(d: dict) -> list[str]:
+    """draft_recovers: does thompson take the draft back once it turned good?"""
+    by = {r["policy"]: r for r in d["runs"]}
+    out = []
+    for p in ("thompson", "thompson-no-fade", "oracle"):
+        r = by.get(p)
+        if r is not None:
+            out.append(f"- {p}: TPOT p50 {ms(r['tpot']['p50'])} ms, accepted length {r['mean_accepted_length']:.2f}")
+    t, o = by.get("thompson"), by.get("oracle")
+    if t is not None and o is not None:
+        ok = t["mean_accepted_length"] >= 0.8 * o["mean_accepted_length"]
+        out.append(f"- thompson (evidence fading, 60 s) reaches {t['mean_accepted_length'] / o['mean_accepted_length']:.2f} "
+                   f"of the oracle's accepted length -> {verdict(ok)} (>= 0.8)")
+    return out
+
+
 def main() -> None:
     for name in ("h100_8b_load_sweep", "h100_8b_overload", "bursty_mixed", "bursty_mixed_moderate", "class_shift",
-                 "interactive_batch", "trace_replay_conv", "cpu_bench_mirror", "cpu_bench_calibrated", "speed_hour_20rps"):
+                 "draft_recovers", "interactive_batch", "trace_replay_conv", "cpu_bench_mirror", "cpu_bench_calibrated", "speed_hour_20rps"):
         d = load(name)
         if d is None:
             print(f"\n## {name}: no results\n")
@@ -171,6 +187,8 @@ def main() -> None:
             print("\n".join(sweep_goals(d)))
         elif name == "class_shift":
             print("\n".join(shift_lines(d)))
+        elif name == "draft_recovers":
+            print("\n".join(recover_lines(d)))
         elif name == "h100_8b_overload":
             print("\n".join(overload_lines(d)))
         elif name.startswith("bursty_mixed"):

@@ -81,10 +81,13 @@ class DiscountedBeta:
     """Beta(alpha, beta) per (row, position), discounted toward the prior at every update.
 
     A row is one drafter of one request class; positions are 1..max_k. An update discounts
-    the row of the drafter that ran; a drafter the policy stopped using keeps its evidence, so
-    it is not tried again if its acceptance rises later (a known limit; fading every row at
-    every step was tried and reverted on 2026-12-01: it costs too much exploration where
-    speculation barely pays, see simulations/REPORT.md).
+    the row of the drafter that ran. ``fade`` decays every row toward the prior by elapsed
+    time, so a drafter the policy stopped using (or a class that runs without speculation)
+    regains uncertainty and is tried again after a while: without it, a drafter that lost once
+    is never tried again if its acceptance rises later. (Fading every row by the per-step
+    discount was tried and reverted on 2026-12-01: at ~20 steps a second that halves the
+    evidence every 7 s, too much exploration where speculation barely pays; see
+    simulations/REPORT.md.)
     """
 
     max_k: int
@@ -97,6 +100,7 @@ class DiscountedBeta:
     updates: int = field(init=False, default=0)
     _ab: np.ndarray = field(init=False, repr=False)
     _prior: np.ndarray = field(init=False, repr=False)
+    _prior_ab: np.ndarray = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         # a and b are views of one [2, rows, max_k] array: one decay touches both
@@ -104,7 +108,8 @@ class DiscountedBeta:
         self.a, self.b = self._ab
         self.a[:] = self.prior_a
         self.b[:] = self.prior_b
-        self._prior = np.array([self.prior_a, self.prior_b])[:, None] * (1 - self.discount)
+        self._prior_ab = np.array([self.prior_a, self.prior_b])[:, None]
+        self._prior = self._prior_ab * (1 - self.discount)
 
     def update(self, accepted_hist: np.ndarray, row: int = 0) -> None:
         h = accepted_hist[: self.max_k + 1]
@@ -116,6 +121,14 @@ class DiscountedBeta:
         self.a[row, :n] += np.add.accumulate(h[::-1])[-2::-1]  # successes at position i: accepted >= i
         self.b[row, :n] += h[:n]  # failures at position i: accepted == i - 1
         self.updates += 1
+
+    def fade(self, factor: float) -> None:
+        """Keep ``factor`` (in (0, 1]) of every row's evidence beyond the prior."""
+        if factor < 1.0:
+            ab = self._ab.reshape(2, -1)  # a view: rows and positions flattened
+            ab -= self._prior_ab
+            ab *= factor
+            ab += self._prior_ab
 
     def mean(self) -> np.ndarray:
         return self.a / (self.a + self.b)

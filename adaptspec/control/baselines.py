@@ -60,7 +60,9 @@ class EmaPolicy(Policy):
 
     k goes up by one when the EMA of accepted/drafted exceeds ``up`` and down by one when
     it falls below ``down``; between the two thresholds k holds (the hysteresis band).
-    Changes are at most one per ``cooldown`` observed steps of the class.
+    Changes are at most one per ``cooldown`` observed steps of the class. "Drafted" is what
+    the drafter proposed: n-gram lookup proposes fewer than k (none without a match), and a
+    step whose group proposed nothing says nothing about acceptance.
     """
 
     name = "ema"
@@ -84,8 +86,10 @@ class EmaPolicy(Policy):
         for g in outcome.groups:
             if g.arm.k == 0 or g.arm.drafter != self.drafter:
                 continue
+            if g.drafted <= 0:  # nothing proposed (n-gram without a match): no evidence either way
+                continue
             c = g.request_class
-            rate = g.accepted / (g.num_requests * g.arm.k)
+            rate = g.accepted / g.drafted
             e = self.ema.get(c, rate)
             e += self.alpha * (rate - e)
             self.ema[c] = e
@@ -103,7 +107,11 @@ class HeuristicPolicy(Policy):
     """transformers-style: k += 2 when all drafted were accepted, else k -= 1 (k >= 1).
 
     Kept per class; a step's group of requests applies the rule once, by majority (all
-    accepted by at least half of the class's requests means +2).
+    accepted by at least half of the class's requests means +2). "All" is all that was
+    proposed: a group whose requests proposed the full k each counts those that accepted k;
+    one request that proposed fewer (n-gram lookup with a short match) counts as all accepted
+    when it kept every one; a group of several that proposed fewer than k x n does not say
+    which request proposed what, so it applies no rule; nor does a group that proposed nothing.
     """
 
     name = "heuristic"
@@ -121,7 +129,14 @@ class HeuristicPolicy(Policy):
         for g in outcome.groups:
             if g.arm.k == 0 or g.arm.drafter != self.drafter:
                 continue
-            all_accepted = int(g.accepted_hist[-1])
+            if g.drafted <= 0:
+                continue
+            if g.drafted >= g.arm.k * g.num_requests:
+                all_accepted = int(g.accepted_hist[-1])
+            elif g.num_requests == 1:
+                all_accepted = int(g.accepted == g.drafted)
+            else:
+                continue
             k = self.k.get(g.request_class, self.start_k)
             k = k + 2 if 2 * all_accepted >= g.num_requests else k - 1
             self.k[g.request_class] = min(max(k, 1), self.config.max_k)

@@ -140,6 +140,10 @@ class OnlineStepCost:
     verify_s ~ piecewise-linear(verify_tokens) + c * context_tokens;
     draft_s ~ d0 * forwards + d1 * drafted tokens + d2 * drafted tokens * context + g * n-gram requests;
     other_s ~ discounted mean. Optionally seeded from a profile (``seed_from``).
+
+    A prefill pass of its own (``StepOutcome.prefill_s``, the live engine's) is not part of a
+    prediction: the arms do not change it. ``prefill_s`` keeps its discounted mean per step,
+    which the planner adds to the step time it holds against latency targets.
     """
 
     discount: float = 0.998
@@ -147,6 +151,7 @@ class OnlineStepCost:
     verify: _DiscountedRidge = field(init=False)
     draft: _DiscountedRidge = field(init=False)
     other_s: float = field(init=False, default=0.0)
+    prefill_s: float = field(init=False, default=0.0)  # mean per step of a separate prefill pass
     _other_w: float = field(init=False, default=0.0)
     steps: int = field(init=False, default=0)
     _stale: bool = field(init=False, default=True)
@@ -193,6 +198,7 @@ class OnlineStepCost:
         g = self.discount
         self._other_w = g * self._other_w + 1.0
         self.other_s += (step.other_s - self.other_s) / self._other_w
+        self.prefill_s += (step.prefill_s - self.prefill_s) / self._other_w
         self.steps += 1
         if self.steps % 4 == 0 or self.steps < 32:  # refit every 4 steps once warm
             self._stale = True

@@ -1,7 +1,8 @@
 """The batch picture a policy keeps, and the planner that picks a class's arm within it.
 
 A request's arm changes the whole batch's step time, so an arm is judged by the goodput of
-the batch it joins: (emitted tokens of every request) / (predicted step time). The rest of
+the batch it joins: (emitted tokens of every request) / (predicted step time, less a prefill
+pass of its own, which no arm changes; latency targets count it). The rest of
 the batch is taken from the last observed step (its class mix, arms, prefill tokens and
 context), scaled to the current batch size.
 
@@ -284,12 +285,17 @@ class Planner:
         # value it in decode-token equivalents, so long steps pay for delaying admission
         backlog = picture.emitted if load.queued > 0 and picture.prefill_tokens > 0 else 0.0
         goodput = (emitted0 + n_c * accepted_length + backlog) / T
+        # a prefill pass of its own (the live engine's) adds to every step whatever the arms:
+        # left out of goodput (each request prefills once, so it is no cost of an arm), counted
+        # against latency targets (StepOutcome.prefill_s)
+        prefill = getattr(cost, "prefill_s", 0.0)
+        T_lat = T + prefill if prefill > 0 else T
         # the step time that keeps each class's TPOT in target (its own, and every other
         # latency class's budget); inf where neither applies, so the best goodput wins
         # (fmin: a class without a target has scale inf, and a length of 0 times inf is nan)
         limit = (accepted_length if tpot_length is None else tpot_length) * scale
         np.fmin(limit, budget, out=limit)
-        masked = np.where(T <= limit, goodput, -np.inf)
+        masked = np.where(T_lat <= limit, goodput, -np.inf)
         out = masked.argmax(axis=1)
         top = np.maximum.reduce(masked, axis=1)
         if -np.inf in top.tolist():
@@ -303,7 +309,7 @@ class Planner:
             if load.queued > 0:
                 fallback = goodput.argmax(axis=1)
             else:
-                r = T / limit
+                r = T_lat / limit
                 close = r <= np.minimum.reduce(r, axis=1, keepdims=True) * (1.0 + RATIO_TIE)
                 fallback = np.where(close, goodput, -np.inf).argmax(axis=1)
             out = np.where(stuck, fallback, out)

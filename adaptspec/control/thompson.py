@@ -23,6 +23,11 @@ class ThompsonConfig:
     # standard errors below the mean (see acceptance.tpot_length_curve); 0: the mean
     spread_z: float = 2.0
     short_tokens: float = 64.0
+    # every class's acceptance evidence (every drafter's) keeps half its weight beyond the
+    # prior per this many seconds of steps (the steps' own durations: simulated time in the
+    # simulator, busy time live), so a drafter that lost is tried again after a while; None:
+    # only the per-step discount of the drafter that ran (a drafter that lost is never retried)
+    fade_half_life_s: float | None = 60.0
 
 
 class ModelBasedThompson(Policy):
@@ -66,12 +71,22 @@ class ModelBasedThompson(Policy):
         self._stacked_spreads: dict[tuple[str, ...], np.ndarray | None] = {}
         self._no_spread = np.zeros(len(self.table.arms))
         self._len_buf: dict[tuple[int, ...], tuple[np.ndarray, np.ndarray]] = {}
+        if self.ts.fade_half_life_s is not None and not self.ts.fade_half_life_s > 0:
+            raise ValueError(f"fade_half_life_s: must be > 0 (or None: no fading), got {self.ts.fade_half_life_s}")
+        self._busy_s = 0.0  # seconds of observed steps
+        self._faded_at: dict[str, float] = {}  # per class: _busy_s its posterior was last faded to
 
     def _posterior(self, request_class: str) -> DiscountedBeta:
         post = self.posteriors.get(request_class)
         if post is None:
             post = self.posteriors[request_class] = DiscountedBeta(
                 self.config.max_k, len(self._drafters), self.ts.discount)
+            self._faded_at[request_class] = self._busy_s
+        elif self.ts.fade_half_life_s is not None:  # lazily: on the class's next update or read
+            dt = self._busy_s - self._faded_at[request_class]
+            if dt > 0:
+                post.fade(0.5 ** (dt / self.ts.fade_half_life_s))
+                self._faded_at[request_class] = self._busy_s
         return post
 
     def _moments_of(self, request_class: str) -> tuple[np.ndarray, np.ndarray]:
@@ -188,6 +203,7 @@ class ModelBasedThompson(Policy):
 
     def _observe(self, outcome: StepOutcome) -> None:
         self._observed += 1
+        self._busy_s += outcome.wall_s
         if self._observed % 4 == 0:  # posterior moments move slowly: refresh every 4 steps
             self._mean_curves.clear()
             self._moments.clear()

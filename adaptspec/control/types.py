@@ -2,7 +2,7 @@
 
 The live engine and the simulator fill the same dataclasses. The engine reports, per step,
 ``batch_size, num_prefill, verify_tokens, context_tokens, draft_s, verify_s, other_s,
-wall_s`` and, per request, ``request_id, request_class, drafter, k, accepted, emitted,
+wall_s`` (and ``prefill_s``: see ``StepOutcome``) and, per request, ``request_id, request_class, drafter, k, accepted, emitted,
 drafted``;
 ``StepOutcome.from_requests`` is the whole adapter. The simulator, which must be fast,
 fills ``StepOutcome.groups`` directly with per-(class, arm) histograms of accepted tokens.
@@ -102,6 +102,11 @@ class StepOutcome:
     wall_s: float
     groups: list[GroupOutcome] = field(default_factory=list)
     queued: int = 0
+    # seconds of a prefill pass of its own (the live engine's), part of wall_s and of no
+    # other part: every request prefills once whatever the arms, so policies judge arms by
+    # the decode part (wall_s - prefill_s) and count prefill only against latency targets.
+    # 0 where prefill shares the verification pass (the simulator: num_prefill tokens)
+    prefill_s: float = 0.0
 
     @classmethod
     def from_requests(
@@ -117,6 +122,7 @@ class StepOutcome:
         other_s: float,
         wall_s: float,
         queued: int = 0,
+        prefill_s: float = 0.0,
     ) -> "StepOutcome":
         """The engine adapter: aggregate per-request outcomes into groups."""
         acc: dict[tuple[str, Arm], list[int]] = {}
@@ -134,21 +140,25 @@ class StepOutcome:
             for (c, arm), a in acc.items()
         ]
         return cls(batch_size, num_prefill, verify_tokens, context_tokens, draft_s, verify_s,
-                   other_s, wall_s, groups, queued)
+                   other_s, wall_s, groups, queued, prefill_s)
 
     @classmethod
     def from_step_stats(cls, st) -> "StepOutcome":
         """Adapter for the engine's ``StepStats`` (read by attribute; no engine import).
 
         The engine prefills in its own pass, so its ``verify_tokens``/``verify_s`` cover the
-        verification pass only and its prefill time is counted with the host overhead.
+        verification pass only and its prefill time is ``prefill_s``, apart from the host
+        overhead (``other_s``). (It was counted with the overhead until 2026-12-01: a constant
+        part of every step in the planner's eyes, which made verifying more tokens look
+        cheaper than it is, most at high load where prefill is half of a step on the CPU.)
         """
         reqs = [RequestOutcome(r.request_id, r.request_class, r.drafter, r.k, r.accepted, r.emitted, r.drafted)
                 for r in st.requests]
         return cls.from_requests(
             reqs, batch_size=st.batch_size, num_prefill=0, verify_tokens=st.verify_tokens,
             context_tokens=st.context_tokens, draft_s=st.draft_s, verify_s=st.verify_s,
-            other_s=st.other_s + getattr(st, "prefill_s", 0.0), wall_s=st.wall_s, queued=getattr(st, "num_waiting", 0))
+            other_s=st.other_s, wall_s=st.wall_s, queued=getattr(st, "num_waiting", 0),
+            prefill_s=getattr(st, "prefill_s", 0.0))
 
 
 @dataclass(slots=True, frozen=True)

@@ -76,13 +76,14 @@ class DiscountedUCB(Policy):
         return self.table.arms[int(best[0] if best.size == 1 else self.rng.choice(best))]
 
     def _observe(self, outcome: StepOutcome) -> None:
-        if outcome.wall_s <= 0:
+        decode_s = outcome.wall_s - outcome.prefill_s  # the part the arms change (see StepOutcome)
+        if decode_s <= 0:
             return
         n_all = sum(g.num_requests for g in outcome.groups)
         if n_all == 0:
             return
         # the batch's goodput: a class's arm is judged by what the whole step emitted
-        step_rate = sum(g.emitted for g in outcome.groups) / (n_all * outcome.wall_s)
+        step_rate = sum(g.emitted for g in outcome.groups) / (n_all * decode_s)
         for g in outcome.groups:
             c = g.request_class
             n = g.num_requests

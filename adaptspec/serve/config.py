@@ -108,6 +108,10 @@ class ControllerOptions(_Strict):
                     "replica's GIL for ~2-3 ms of Serve handle work, which stalls its engine thread: 0.25 s "
                     "slowed a lone request by 3-5 percent on the 2-core CPU box)")
     seed: int = Field(0, description="policy random seed")
+    fade_half_life_s: float | None = Field(
+        60.0, gt=0, description="thompson: seconds of engine steps in which every drafter's acceptance evidence "
+                                "loses half its weight, so a drafter that lost is tried again when it may have "
+                                "improved; null: only the drafter that ran is discounted (never retried)")
     cost_profile: str | None = Field(
         "auto", description="step-cost prior for the model-based policy: a built-in profile name "
                             "(e.g. cpu-smollm2-135m-fp32), a path to an `adaptspec calibrate` JSON, `auto` "

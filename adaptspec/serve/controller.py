@@ -95,7 +95,8 @@ class ControlCore:
 
     def _make(self, name: str, field_name: str):
         return make_policy(name, drafters=self.drafters, max_k=self.max_k, targets=self.targets,
-                           seed=self.config.controller.seed, prior_cost=self.prior_cost, field=field_name)
+                           seed=self.config.controller.seed, prior_cost=self.prior_cost,
+                           fade_half_life_s=self.config.controller.fade_half_life_s, field=field_name)
 
     # ---- replicas ------------------------------------------------------------------------
     def report(self, rep: ReplicaReport) -> PolicySnapshot:

@@ -3,21 +3,23 @@ from __future__ import annotations
 
 from adaptspec.control import (
     Arm, ClassTarget, DiscountedUCB, EmaPolicy, HeuristicPolicy, ModelBasedThompson, Policy, PolicyConfig,
-    StaticPolicy,
+    StaticPolicy, ThompsonConfig,
 )
 
 AVAILABLE = ("thompson", "ucb", "ema", "heuristic", "static:<drafter>:<k>")
 
 
 def make_policy(name: str, *, drafters: tuple[str, ...], max_k: int, targets: tuple[ClassTarget, ...] = (),
-                seed: int = 0, prior_cost=None, field: str = "policy") -> Policy:
+                seed: int = 0, prior_cost=None, fade_half_life_s: float | None = 60.0,
+                field: str = "policy") -> Policy:
     """Build a policy by name; ValueError names ``field`` on a bad name. ``prior_cost``: a
-    ``StepCostModel`` seeding the model-based policy."""
+    ``StepCostModel`` seeding the model-based policy; ``fade_half_life_s``: its evidence fading
+    (``ThompsonConfig.fade_half_life_s``)."""
     cfg = PolicyConfig(drafters=tuple(drafters), max_k=max_k, targets=targets, seed=seed)
     base, _, rest = name.partition(":")
     best = "draft" if "draft" in drafters else drafters[0]
     if base == "thompson":
-        return ModelBasedThompson(cfg, prior_cost=prior_cost)
+        return ModelBasedThompson(cfg, ThompsonConfig(fade_half_life_s=fade_half_life_s), prior_cost=prior_cost)
     if base == "ucb":
         return DiscountedUCB(cfg)
     if base == "ema":

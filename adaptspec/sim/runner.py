@@ -112,7 +112,8 @@ def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost:
     targets = tuple(targets)
     cfg = PolicyConfig(tuple(sc.drafters), sc.max_k, targets, seed)
     if isinstance(spec, ThompsonSpec):
-        p = ModelBasedThompson(cfg, ThompsonConfig(spec.discount, spec.cost_discount, spec.margin, spec.spread_z, spec.short_tokens),
+        p = ModelBasedThompson(cfg, ThompsonConfig(spec.discount, spec.cost_discount, spec.margin, spec.spread_z, spec.short_tokens,
+                                                 spec.fade_half_life_s),
                                prior_cost=cost if spec.seed_cost_from_profile else None)
     elif isinstance(spec, UCBSpec):
         p = DiscountedUCB(cfg, UCBConfig(spec.mode, spec.discount, spec.window, spec.exploration))

@@ -12,7 +12,9 @@ best goodput, averaged over a 20-step window.
 import numpy as np
 import pytest
 
-from adaptspec.control import DiscountedUCB, GroupOutcome, Load, ModelBasedThompson, PolicyConfig, StepOutcome, UCBConfig
+from adaptspec.control import (
+    DiscountedUCB, GroupOutcome, Load, ModelBasedThompson, PolicyConfig, StepOutcome, ThompsonConfig, UCBConfig,
+)
 from adaptspec.sim.acceptance import BernoulliAcceptance, PositionAcceptance, mean_accepted_length
 from adaptspec.sim.gpu import builtin_profile
 
@@ -111,3 +113,24 @@ def test_bandit_readapts_after_a_class_shift(kind, before):
     recovered = int(np.argmax(window >= 0.95)) if (window >= 0.95).any() else None
     assert recovered is not None and recovered <= READAPT_STEPS[kind], f"{kind}: recovered at {recovered}"
 
+
+
+CHAT_DRAFT_BAD = {"draft": BernoulliAcceptance(0.05), "ngram": BernoulliAcceptance(0.5)}
+CHAT_DRAFT_GOOD = {"draft": BernoulliAcceptance(0.95), "ngram": BernoulliAcceptance(0.5)}
+
+
+@pytest.mark.parametrize("fade", [None, 1.0])
+def test_a_drafter_that_lost_is_tried_again_only_with_fading(fade):
+    """Chat's draft model is useless for 300 steps (thompson settles on n-gram), then
+    excellent. Discounting only the drafter that ran never looks at the draft again (the
+    control); fading every drafter's evidence by step time (half-life 1 s of steps here, a
+    step is ~20 ms) tries it again and keeps it."""
+    policy = ModelBasedThompson(PolicyConfig(("ngram", "draft"), 8, (), seed=3), ThompsonConfig(fade_half_life_s=fade))
+    before, after = 300, 600
+    history = run(policy, (CODE, CHAT_DRAFT_BAD), (CODE, CHAT_DRAFT_GOOD), before + after, before)
+    assert sum(b.drafter == "draft" for _, b in history[before - 100:before]) <= 10  # settled off the draft
+    tail = [b.drafter for _, b in history[-100:]]
+    if fade is None:
+        assert tail.count("draft") <= 10, "without fading the draft was retried"
+    else:
+        assert tail.count("draft") >= 90, f"the draft was not taken back: {tail.count('draft')} of 100"

@@ -71,6 +71,21 @@ def test_discount_forgets_toward_prior():
     assert post.a[0, 0] == pytest.approx(1 + 5)
 
 
+def test_fade_keeps_a_fraction_of_every_rows_evidence_beyond_the_prior():
+    post = DiscountedBeta(2, rows=2, discount=1.0, prior_a=1.0, prior_b=2.0)
+    post.update(np.array([4, 0, 8]), row=0)
+    post.update(np.array([2, 6]), row=1)
+    a, b = post.a.copy(), post.b.copy()
+    post.fade(1.0)  # no time passed: nothing changes
+    assert (post.a == a).all() and (post.b == b).all()
+    post.fade(0.25)  # both rows, the one that ran last and the one that did not
+    assert post.a == pytest.approx(1.0 + 0.25 * (a - 1.0)) and post.b == pytest.approx(2.0 + 0.25 * (b - 2.0))
+    assert post.a[1, 1] == 1.0 and post.b[1, 1] == 2.0  # an unobserved position stays at the prior
+    for _ in range(60):
+        post.fade(0.5)
+    assert post.mean() == pytest.approx(np.full((2, 2), 1 / 3))  # all evidence gone: the prior's mean
+
+
 def test_accepted_length_curve_matches_closed_form():
     for a in (0.3, 0.6, 0.9):
         L = accepted_length_curve(np.full(8, a))
@@ -206,7 +221,52 @@ def test_adapter_from_engine_step_stats_fields():
     (g,) = out.groups
     assert g.arm == Arm("ngram", 3) and g.accepted_hist.tolist() == [1, 0, 1, 0] and g.emitted == 4
     assert g.drafted == 5  # proposed, not asked for (2 x 3)
-    assert out.other_s == pytest.approx(0.012) and out.queued == 4 and out.verify_tokens == 8
+    # the engine's prefill pass is its own part, not host overhead (see StepOutcome.prefill_s)
+    assert out.other_s == pytest.approx(0.002) and out.prefill_s == pytest.approx(0.01)
+    assert out.queued == 4 and out.verify_tokens == 8 and out.wall_s == pytest.approx(0.043)
+
+
+def test_a_separate_prefill_pass_is_no_cost_of_an_arm():
+    """The live engine prefills in a pass of its own, the same whatever the arms: a cost model
+    that counted it as per-step overhead made verifying more tokens look cheaper the more a
+    step prefilled (at 16 clients on the CPU, half a step), and the policy speculated where it
+    lost (in-process at c = 16: 0.79 of no speculation). With it apart, the planner ranks arms
+    by the decode part alone; the same steps with the prefill booked as overhead (the control)
+    pick the speculative arm."""
+    from adaptspec.control import GroupOutcome
+
+    def steps(prefill_as_overhead: bool):
+        # 16 requests a step; verification costs 20 ms + 1.2 ms a token, prefill 60 ms a step;
+        # every fourth step drafts 2 n-gram tokens a request, accepted at positions 1 and 2
+        # with p = 0.35 and 0.7 (accepted length 1.6): 0.33 tokens/ms of decode against 0.41
+        # without drafting (but 0.18 against 0.16 with the prefill in every step's time)
+        out = []
+        rng = np.random.default_rng(0)
+        for i in range(400):
+            k = 2 if i % 4 == 0 else 0
+            n = 16
+            hist = np.bincount(rng.binomial(1, 0.35, n) * (1 + rng.binomial(1, 0.7, n)), minlength=3) if k else None
+            arm = Arm("ngram", 2) if k else Arm("none", 0)
+            g = GroupOutcome("x", arm, hist if k else np.array([n]), (int(np.dot(np.arange(3), hist)) if k else 0) + n)
+            tokens = n * (k + 1)
+            verify = 0.020 + 0.0012 * tokens
+            prefill = 0.060
+            other = 0.001 + (prefill if prefill_as_overhead else 0.0)
+            out.append(StepOutcome(n, 0, tokens, 200 * n, 0.0005 if k else 0.0, verify, other,
+                                   verify + other + (0.0 if prefill_as_overhead else prefill) + (0.0005 if k else 0.0),
+                                   [g], 0, 0.0 if prefill_as_overhead else prefill))
+        return out
+
+    def choice(prefill_as_overhead: bool) -> Arm:
+        p = ModelBasedThompson(PolicyConfig(("ngram",), 4, (), seed=0))
+        for o in steps(prefill_as_overhead):
+            p.observe(o)
+        # the planner on the posterior means (no sampling noise)
+        mean_lengths = p._lengths("x", sample=False)
+        return p.table.arms[p.planner.plan("x", Load(16, 0, 0, 3200), p.picture, mean_lengths, {}, p.cost)]
+
+    assert choice(False) == Arm("none", 0)
+    assert choice(True).drafter == "ngram"  # the control: the old booking speculates
 
 
 def test_planner_charges_n_gram_arms_for_the_candidates_the_class_actually_proposes():
@@ -313,3 +373,55 @@ def test_a_cost_model_seeded_from_a_profile_predicts_the_profile():
     for n in (1, 5, 9):
         got, want = both(n, ctx)
         assert got == pytest.approx(want, rel=0.05), n
+
+
+def _group_step(arm: Arm, accepted: list[int], drafted: int | None = None) -> StepOutcome:
+    from adaptspec.control import GroupOutcome
+
+    hist = np.bincount(np.asarray(accepted, dtype=np.int64), minlength=arm.k + 1)
+    g = GroupOutcome("x", arm, hist, sum(accepted) + len(accepted), len(accepted),
+                     -1 if drafted is None else drafted)
+    return StepOutcome(len(accepted), 0, 0, 0, 0.0, 0.01, 0.0, 0.01, [g])
+
+
+def test_ema_moves_k_with_hysteresis_and_cooldown():
+    from adaptspec.control import EmaPolicy
+
+    p = EmaPolicy("draft", PolicyConfig(("draft",), 8), start_k=4, alpha=0.5, up=0.8, down=0.5, cooldown=3)
+    assert p.choose("x", Load()) == Arm("draft", 4)
+    for _ in range(2):  # all accepted, but within the cooldown
+        p.observe(_group_step(Arm("draft", 4), [4, 4]))
+    assert p.k["x"] == 4
+    p.observe(_group_step(Arm("draft", 4), [4, 4]))
+    assert p.k["x"] == 5
+    for _ in range(3):  # 0.6: inside the band, k holds
+        p.observe(_group_step(Arm("draft", 5), [3, 3]))
+    assert p.k["x"] == 5
+    for _ in range(6):
+        p.observe(_group_step(Arm("draft", 5), [0, 1]))
+    assert p.k["x"] == 3  # two cooldowns, two steps down
+
+
+def test_ema_and_heuristic_count_what_the_drafter_proposed():
+    """n-gram lookup proposes fewer than k: a request that proposed 2 of 4 and kept both
+    accepted everything it was offered. Rating it against k (the old rule: 0.5, the
+    heuristic's "not all accepted") moved k down; against what was proposed it moves up.
+    A step whose group proposed nothing (no match) is no evidence."""
+    from adaptspec.control import EmaPolicy, HeuristicPolicy
+
+    ema = EmaPolicy("ngram", PolicyConfig(("ngram",), 8), start_k=4, alpha=1.0, cooldown=1)
+    ema.observe(_group_step(Arm("ngram", 4), [0], drafted=0))
+    assert "x" not in ema.ema  # no candidates: nothing learned
+    ema.observe(_group_step(Arm("ngram", 4), [2], drafted=2))
+    assert ema.ema["x"] == 1.0 and ema.k["x"] == 5
+    heur = HeuristicPolicy("ngram", PolicyConfig(("ngram",), 8), start_k=4)
+    heur.observe(_group_step(Arm("ngram", 4), [0], drafted=0))
+    assert heur.k.get("x", 4) == 4
+    heur.observe(_group_step(Arm("ngram", 4), [2], drafted=2))
+    assert heur.k["x"] == 6  # all that was proposed was kept: +2
+    heur.observe(_group_step(Arm("ngram", 6), [1], drafted=2))
+    assert heur.k["x"] == 5  # one of two kept: -1
+    heur.observe(_group_step(Arm("ngram", 5), [5, 0], drafted=8))  # two requests, 8 of 10: who proposed what?
+    assert heur.k["x"] == 5
+    heur.observe(_group_step(Arm("ngram", 5), [5, 5, 1], drafted=15))  # all proposed in full: the majority rule
+    assert heur.k["x"] == 7
