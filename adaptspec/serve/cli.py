@@ -244,6 +244,10 @@ def loadtest(
     probes: int = typer.Option(0, help="keep this many clients calling Health/Check (as Kubernetes probes and "
                                        "monitoring do) from another process throughout: Serve work in the "
                                        "replica next to its engine"),
+    in_process: bool = typer.Option(False, "--in-process", help="no Ray cluster, no gRPC: the replica's engine and the "
+                                                                "controller of --config in this process, driven as "
+                                                                "a replica drives them; also prints the controller's "
+                                                                "predicted step times against the measured ones"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write results to this JSON file"),
 ) -> None:
     """Closed-loop load on loopback gRPC: TTFT, TPOT, E2E p50/p99, throughput, goodput, arms."""
@@ -255,8 +259,17 @@ def loadtest(
     console = _console()
     spec = LoadSpec([c for c in classes.split(",") if c], max_tokens, slo_ttft, slo_tpot)
     levels = [int(x) for x in concurrency.split(",") if x]
+    if not levels or any(n < 1 for n in levels):
+        raise ValueError(f"--concurrency: positive integers, got {concurrency!r}")
     results = []
     over = probed = bg = None
+    if in_process:
+        bad = [name for name, on in (("--start", start), ("--overhead", overhead), ("--overhead-only", overhead_only),
+                                     ("--probes", probes)) if on]
+        if bad:
+            raise ValueError(f"--in-process: {', '.join(bad)} need the service (no Serve runs in-process)")
+        return _loadtest_in_process(config, torch_threads, levels, [p for p in policies.split(",") if p], spec,
+                                    duration, warmup, rounds, fresh, json_path, console)
     if start:
         from adaptspec.serve.config import load_config
 
@@ -334,6 +347,68 @@ def loadtest(
     if json_path:
         with open(json_path, "w") as f:
             f.write(as_json(results, over, probed))
+        console.print(f"wrote {json_path}")
+
+
+def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration, warmup, rounds, fresh, json_path,
+                         console) -> None:
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from adaptspec.serve.config import load_config
+    from adaptspec.serve.inprocess import InProcessService
+    from adaptspec.serve.loadtest import as_json, summarize, top_arm
+
+    cfg = load_config(config)
+    with console.status("loading the models"):
+        svc = InProcessService(cfg, torch_threads=torch_threads)
+    pols = policies or [svc.policy()]
+    results = []
+    runs = len(levels) * rounds * len(pols)
+    with Progress(console=console, transient=True) as bar:
+        task = bar.add_task("runs", total=runs)
+        for n in levels:
+            recs: dict[str, list] = {p: [] for p in pols}
+            windows: dict[str, list] = {p: [] for p in pols}
+            for r in range(rounds):
+                for pol in pols if r % 2 == 0 else pols[::-1]:
+                    if fresh or pol != svc.policy():
+                        svc.update_policy(pol, reset=fresh)
+                    bar.update(task, description=f"c={n} {pol} round {r + 1}")
+                    got, window = svc.run_level(n, duration, spec, warmup_s=warmup)
+                    recs[pol] += got
+                    windows[pol].append(window)
+                    bar.advance(task)
+            for pol in pols:
+                s = summarize(pol, n, recs[pol], windows[pol], spec)
+                results.append(s)
+                console.print(f"{pol:>18} c={n:<3} {s.throughput_tokens_per_s:7.1f} tok/s  goodput "
+                              f"{s.goodput_requests_per_s:5.2f} req/s  e2e p50 {s.e2e_p50_s:.2f}s  "
+                              f"arms {', '.join(f'{k}:{top_arm(v)}' for k, v in s.arms.items())}")
+    t = Table(title="loadtest (in-process: engine and controller, no Serve, no gRPC)")
+    for col in ("policy", "conc.", "req", "tok/s", "TTFT p50/p99", "TPOT p50/p99", "arms (top per class)"):
+        t.add_column(col)
+    for s in results:
+        t.add_row(s.policy, str(s.concurrency), str(s.requests), f"{s.throughput_tokens_per_s:.1f}",
+                  f"{s.ttft_p50_s:.2f}/{s.ttft_p99_s:.2f}", f"{s.tpot_p50_s * 1e3:.0f}/{s.tpot_p99_s * 1e3:.0f} ms",
+                  ", ".join(f"{k}:{top_arm(v)}" for k, v in s.arms.items()))
+    console.print(t)
+    for line in adaptive_vs_static(results):
+        console.print(line)
+    checks = {p: c.table() for p, c in svc.cost_checks.items() if c.rows}
+    for pol, rows in checks.items():
+        ct = Table(title=f"{pol}: the controller's step time (decode part) against the measured one")
+        for col in ("verify tokens", "steps", "predicted ms", "measured ms"):
+            ct.add_column(col)
+        for row in rows:
+            ct.add_row(row["verify_tokens"], str(row["steps"]), f"{row['predicted_ms']:.1f}", f"{row['measured_ms']:.1f}")
+        console.print(ct)
+    if json_path:
+        data = json.loads(as_json(results))
+        data["in_process"] = True
+        data["cost_check"] = checks
+        with open(json_path, "w") as f:
+            json.dump(data, f, indent=1)
         console.print(f"wrote {json_path}")
 
 

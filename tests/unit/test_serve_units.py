@@ -597,3 +597,38 @@ def test_a_step_that_never_returns_ends_the_engine(engines):
         loop_.stop()
     assert out[-1].error.code == "UNAVAILABLE" and "stalled" in out[-1].error.message and not alive
     assert after[0].error.code == "UNAVAILABLE"
+
+
+def test_loadtest_in_process_drives_the_engine_and_the_controller(tiny_dir, tiny_draft_dir, tmp_path):
+    """``adaptspec loadtest --in-process``: the replica's engine and the controller in one
+    process (no Ray, no gRPC), closed-loop per policy, the controller's step-time check."""
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from adaptspec.cli import app
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "models": {"target": str(tiny_dir), "draft": str(tiny_draft_dir)},
+        "controller": {"report_interval_s": 0.05, "max_k": 4},
+        "engine": {"max_num_seqs": 4, "max_model_len": 512, "torch_threads": 1}}))
+    out = tmp_path / "r.json"
+    common = ["loadtest", "--in-process", "--config", str(cfg), "--max-tokens", "8"]
+    res = CliRunner().invoke(app, common + ["--concurrency", "3", "--duration", "1.0", "--warmup", "0.3",
+                                            "--policies", "thompson,static:none:0", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(out.read_text())
+    assert data["in_process"] and [(x["policy"], x["concurrency"]) for x in data["levels"]] == [
+        ("thompson", 3), ("static:none:0", 3)]
+    for lv in data["levels"]:
+        assert lv["requests"] > 0 and lv["errors"] == 0 and lv["throughput_tokens_per_s"] > 0
+        assert set(lv["arms"]) <= {"chat", "code_edit", "extraction"}
+    static = data["levels"][1]["arms"]
+    assert {a for per in static.values() for a in per} == {"none:0"}  # the policy switch took effect
+    rows = data["cost_check"]["thompson"]  # the model-based policy's predictions, checked against the steps
+    assert rows and all(r["steps"] > 0 and r["predicted_ms"] > 0 and r["measured_ms"] > 0 for r in rows)
+    assert "static:none:0" not in data["cost_check"]  # a static policy predicts nothing
+    bad = CliRunner().invoke(app, common + ["--start"])
+    assert bad.exit_code == 2 and "--in-process" in bad.output and "--start" in bad.output

@@ -1,0 +1,154 @@
+"""Closed-loop load on the engine and the controller in one process: no Ray cluster, no gRPC.
+
+``adaptspec loadtest --in-process`` drives the same engine (``build_engine``) and the same
+controller (``ControlCore``) as a replica does, the way a replica does (each step takes the
+arms of the latest policy snapshot; the step stats go to the controller every
+``controller.report_interval_s`` as a ``ReplicaReport``), from the same prompts and classes
+as the gRPC load test. What it leaves out is Serve and gRPC, whose work shares the CPU with
+the engine on a small machine and makes runs noisier: it answers "which policy, and is the
+controller's model of the step right?" in minutes. ``CostCheck`` compares the controller's
+predicted step times with the measured ones (the check that found the prefill pass booked as
+overhead, 2026-12-01).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from adaptspec.control.base import draft_positions
+from adaptspec.control.types import StepOutcome
+from adaptspec.serve.config import ServiceConfig
+from adaptspec.serve.controller import ControlCore, PolicyUpdate
+from adaptspec.serve.loadtest import LoadSpec, RequestRecord, Window, bench_prompts
+from adaptspec.serve.loop import _spec, class_deltas
+from adaptspec.serve.types import ReplicaReport, ReplicaState
+
+
+@dataclass(slots=True)
+class CostCheck:
+    """The model-based policy's predicted step time (decode part: what it ranks arms by)
+    against the measured one, by verify tokens (buckets of 8)."""
+
+    rows: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
+
+    def add(self, policy, outcome: StepOutcome) -> None:
+        cost = getattr(policy, "cost", None)
+        if cost is None or not outcome.groups:
+            return
+        n_dec = sum(g.num_requests for g in outcome.groups)
+        batch, ngram = draft_positions(outcome, policy.config.max_k)
+        pred = cost.predict(np.array([float(outcome.verify_tokens)]), outcome.context_tokens, batch, 0.0,
+                            np.zeros(1), np.array([float(ngram)]), outcome.context_tokens / max(n_dec, 1))
+        measured = outcome.verify_s + outcome.draft_s + outcome.other_s
+        self.rows.setdefault(outcome.verify_tokens // 8 * 8, []).append((float(pred[0]), measured))
+
+    def table(self) -> list[dict]:
+        out = []
+        for b in sorted(self.rows):
+            a = np.array(self.rows[b])
+            out.append({"verify_tokens": f"{b}-{b + 7}", "steps": len(a), "predicted_ms": 1e3 * float(a[:, 0].mean()),
+                        "measured_ms": 1e3 * float(a[:, 1].mean())})
+        return out
+
+
+class InProcessService:
+    """One replica's engine and the controller, in this process; the load test's service side."""
+
+    def __init__(self, cfg: ServiceConfig, *, torch_threads: int | None = None):
+        from adaptspec.serve.engine_proc import build_engine
+
+        self.cfg = cfg
+        self.engine = build_engine(cfg, torch_threads=torch_threads)
+        self.core = ControlCore(cfg)
+        self.drafters = ("none", *self.engine.proposers)
+        self._steps: list = []
+        self.engine.step_listeners.append(self._steps.append)
+        self.cost_checks: dict[str, CostCheck] = {}
+
+    def policy(self) -> str:
+        return self.core.policy_name
+
+    def update_policy(self, name: str, reset: bool = False) -> None:
+        self.core.update(PolicyUpdate(policy=name, reset=reset))
+
+    def run_level(self, concurrency: int, duration_s: float, spec: LoadSpec,
+                  warmup_s: float = 0.0) -> tuple[list[RequestRecord], Window]:
+        """``concurrency`` requests in flight for ``warmup_s`` + ``duration_s`` (a finished one
+        is replaced at once, as a closed-loop client does); requests still running at the end
+        are aborted and counted as cut."""
+        eng, core = self.engine, self.core
+        prompts = bench_prompts()
+        interval = self.cfg.controller.report_interval_s
+        check = self.cost_checks.setdefault(core.policy_name, CostCheck())
+        records: dict[str, RequestRecord] = {}
+        done: list[RequestRecord] = []
+        counter = 0
+
+        def add() -> None:
+            nonlocal counter
+            cls = spec.classes[counter % len(spec.classes)]
+            pool = prompts.get(cls) or prompts["chat"]
+            prompt = pool[(counter // len(spec.classes)) % len(pool)]
+            counter += 1
+            from adaptspec import SamplingParams
+
+            params = SamplingParams(max_new_tokens=spec.max_tokens,
+                                    **({} if spec.temperature is None else {"temperature": spec.temperature}))
+            t0 = time.perf_counter()
+            rid = eng.add_request(prompt, params, _spec(core.snapshot().arm_for(cls), self.drafters),
+                                  request_class=cls)
+            records[rid] = RequestRecord(cls, 0.0, 0.0, 0, start_s=t0)
+
+        t0 = time.perf_counter()
+        window = Window(t0 + warmup_s, t0 + warmup_s + duration_s)
+        for _ in range(concurrency):
+            add()
+        last = time.perf_counter()
+        self._steps.clear()
+        while time.perf_counter() < window.end_s:
+            snap = core.snapshot()
+            for seq in eng.requests.values():
+                arm = snap.arm_for(seq.request_class)
+                if seq.spec.drafter != arm.drafter or seq.spec.k != arm.k:
+                    seq.spec = _spec(arm, self.drafters)
+            outs = eng.step()
+            now = time.perf_counter()
+            for o in outs:
+                rec = records.get(o.request_id)
+                if rec is None:
+                    continue
+                if o.new_token_ids:
+                    if not rec.ttft_s:
+                        rec.ttft_s = now - rec.start_s
+                    rec.chunks.append((now, len(o.new_token_ids)))
+                    rec.tokens += len(o.new_token_ids)
+                if o.finished:
+                    rec.e2e_s = now - rec.start_s
+                    rec.arms = dict(o.stats.arms) if o.stats is not None else {}
+                    done.append(records.pop(o.request_id))
+                    add()
+            if now - last >= interval:
+                self._report(now - last, check)
+                last = now
+        now = time.perf_counter()
+        for rid, rec in records.items():  # still running at the end: cut, as the gRPC test cancels them
+            eng.abort(rid)
+            rec.e2e_s, rec.cut = now - rec.start_s, True
+            done.append(rec)
+        self._report(now - last, check)
+        return done, window
+
+    def _report(self, interval_s: float, check: CostCheck) -> None:
+        steps, self._steps[:] = list(self._steps), []
+        if not steps:
+            return
+        outcomes = [StepOutcome.from_step_stats(s) for s in steps]
+        for o in outcomes:  # what the policy predicted for this step before it learned from it
+            check.add(self.core.policy, o)
+        last = steps[-1]
+        state = ReplicaState("in-process", batch_size=last.batch_size, num_waiting=last.num_waiting,
+                             steps=self.engine.step_count, verify_tokens=last.verify_tokens,
+                             context_tokens=last.context_tokens, free_slots=len(self.engine.scheduler.free_slots))
+        self.core.report(ReplicaReport(state, outcomes, list(class_deltas(steps).values()), interval_s))
