@@ -14,8 +14,11 @@ import numpy as np
 from adaptspec.control.types import StepOutcome
 
 # hinge knots (tokens) of the piecewise-linear verify curve: flat while memory-bound,
-# then rising once the pass turns compute-bound
-VERIFY_KNOTS = (64.0, 256.0, 1024.0, 4096.0)
+# then rising once the pass turns compute-bound. The knots at 8-32 follow small batches on
+# a CPU, where the curve bends within a few tokens (SmolLM2 fp32: 18 ms at 4 tokens, 22 at
+# 8, 32 at 16, 58 at 32); with 64 as the first knot one line spanned 0-64 and priced 8-12
+# tokens 25% too high, so the policy never tried n-gram lookup at 4 clients, where it paid
+VERIFY_KNOTS = (8.0, 16.0, 32.0, 64.0, 256.0, 1024.0, 4096.0)
 _TOK = 1e-3  # feature scaling: thousands of tokens
 _CTX = 1e-6  # millions of context tokens
 

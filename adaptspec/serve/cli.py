@@ -386,15 +386,29 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
                               f"{s.goodput_requests_per_s:5.2f} req/s  e2e p50 {s.e2e_p50_s:.2f}s  "
                               f"arms {', '.join(f'{k}:{top_arm(v)}' for k, v in s.arms.items())}")
     t = Table(title="loadtest (in-process: engine and controller, no Serve, no gRPC)")
-    for col in ("policy", "conc.", "req", "tok/s", "TTFT p50/p99", "TPOT p50/p99", "arms (top per class)"):
+    for col in ("policy", "conc.", "req", "tok/s", "tok per decode-s", "TTFT p50/p99", "TPOT p50/p99",
+                "arms (top per class)"):
         t.add_column(col)
+    per_decode_s = {}
+    for (pol, n), (tok, sec) in svc.decode.items():
+        per_decode_s[(pol, n)] = tok / sec if sec > 0 else 0.0
     for s in results:
         t.add_row(s.policy, str(s.concurrency), str(s.requests), f"{s.throughput_tokens_per_s:.1f}",
+                  f"{per_decode_s.get((s.policy, s.concurrency), 0.0):.1f}",
                   f"{s.ttft_p50_s:.2f}/{s.ttft_p99_s:.2f}", f"{s.tpot_p50_s * 1e3:.0f}/{s.tpot_p99_s * 1e3:.0f} ms",
                   ", ".join(f"{k}:{top_arm(v)}" for k, v in s.arms.items()))
     console.print(t)
     for line in adaptive_vs_static(results):
         console.print(line)
+    console.print("tokens per decode-second (the steps' emitted tokens over their time less prefill; the prompt mix "
+                  "does not move it):")
+    for n in sorted({s.concurrency for s in results}):
+        static = {p: v for (p, m), v in per_decode_s.items() if m == n and p.startswith("static")}
+        if static:
+            best = max(static, key=static.get)
+            for (p, m), v in per_decode_s.items():
+                if m == n and not p.startswith("static") and static[best] > 0:
+                    console.print(f"c={n}: {p} / best static ({best}) = {v / static[best]:.3f} per decode-second")
     checks = {p: c.table() for p, c in svc.cost_checks.items() if c.rows}
     for pol, rows in checks.items():
         ct = Table(title=f"{pol}: the controller's step time (decode part) against the measured one")
@@ -405,6 +419,8 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
         console.print(ct)
     if json_path:
         data = json.loads(as_json(results))
+        for lv in data["levels"]:
+            lv["decode_tokens_per_s"] = per_decode_s.get((lv["policy"], lv["concurrency"]), 0.0)
         data["in_process"] = True
         data["cost_check"] = checks
         with open(json_path, "w") as f:

@@ -8,7 +8,11 @@ as the gRPC load test. What it leaves out is Serve and gRPC, whose work shares t
 the engine on a small machine and makes runs noisier: it answers "which policy, and is the
 controller's model of the step right?" in minutes. ``CostCheck`` compares the controller's
 predicted step times with the measured ones (the check that found the prefill pass booked as
-overhead, 2026-12-01).
+overhead, 2026-12-01). ``decode`` counts, per (policy, concurrency), the tokens the steps
+emitted and the steps' seconds less their prefill pass, over the reports inside the measured
+windows: tokens per decode-second, which the prompt mix does not move (with short answers
+prefill is half of the time, and which prompts come up in a window moves tokens/s by more
+than the arms do at 4 clients).
 """
 from __future__ import annotations
 
@@ -66,6 +70,7 @@ class InProcessService:
         self._steps: list = []
         self.engine.step_listeners.append(self._steps.append)
         self.cost_checks: dict[str, CostCheck] = {}
+        self.decode: dict[tuple[str, int], list[float]] = {}  # (policy, concurrency) -> [tokens, seconds]
 
     def policy(self) -> str:
         return self.core.policy_name
@@ -82,6 +87,7 @@ class InProcessService:
         prompts = bench_prompts()
         interval = self.cfg.controller.report_interval_s
         check = self.cost_checks.setdefault(core.policy_name, CostCheck())
+        tally = self.decode.setdefault((core.policy_name, concurrency), [0.0, 0.0])
         records: dict[str, RequestRecord] = {}
         done: list[RequestRecord] = []
         counter = 0
@@ -130,20 +136,23 @@ class InProcessService:
                     done.append(records.pop(o.request_id))
                     add()
             if now - last >= interval:
-                self._report(now - last, check)
+                self._report(now - last, check, tally if now in window else None)
                 last = now
         now = time.perf_counter()
         for rid, rec in records.items():  # still running at the end: cut, as the gRPC test cancels them
             eng.abort(rid)
             rec.e2e_s, rec.cut = now - rec.start_s, True
             done.append(rec)
-        self._report(now - last, check)
+        self._report(now - last, check, tally)
         return done, window
 
-    def _report(self, interval_s: float, check: CostCheck) -> None:
+    def _report(self, interval_s: float, check: CostCheck, tally: list[float] | None) -> None:
         steps, self._steps[:] = list(self._steps), []
         if not steps:
             return
+        if tally is not None:
+            tally[0] += sum(s.emitted for s in steps)
+            tally[1] += sum(s.wall_s - s.prefill_s for s in steps)
         outcomes = [StepOutcome.from_step_stats(s) for s in steps]
         for o in outcomes:  # what the policy predicted for this step before it learned from it
             check.add(self.core.policy, o)

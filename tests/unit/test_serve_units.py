@@ -624,6 +624,7 @@ def test_loadtest_in_process_drives_the_engine_and_the_controller(tiny_dir, tiny
         ("thompson", 3), ("static:none:0", 3)]
     for lv in data["levels"]:
         assert lv["requests"] > 0 and lv["errors"] == 0 and lv["throughput_tokens_per_s"] > 0
+        assert lv["decode_tokens_per_s"] > 0
         assert set(lv["arms"]) <= {"chat", "code_edit", "extraction"}
     static = data["levels"][1]["arms"]
     assert {a for per in static.values() for a in per} == {"none:0"}  # the policy switch took effect
