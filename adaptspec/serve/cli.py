@@ -254,7 +254,7 @@ def loadtest(
     from rich.table import Table
 
     from adaptspec.serve.client import Client
-    from adaptspec.serve.loadtest import LoadSpec, Probes, as_json, run_level, summarize, top_arm
+    from adaptspec.serve.loadtest import LoadSpec, Probes, as_json, run_level, top_arm
 
     console = _console()
     spec = LoadSpec([c for c in classes.split(",") if c], max_tokens, slo_ttft, slo_tpot)
@@ -281,24 +281,10 @@ def loadtest(
             deployed = c.policy().policy
             bg = Probes(address, app_name, probes)
             pols = [] if overhead_only else [p for p in policies.split(",") if p] or [deployed]
-            for n in levels if pols else []:
-                # rounds interleave the policies (order reversed every other round), so drift in
-                # the machine's load hits every policy alike; each run has its own warm-up
-                recs: dict[str, list] = {p: [] for p in pols}
-                windows: dict[str, list] = {p: [] for p in pols}
-                for r in range(rounds):
-                    for pol in pols if r % 2 == 0 else pols[::-1]:
-                        if fresh or pol != c.policy().policy:
-                            c.update_policy(pol, reset=fresh)
-                        got, window = run_level(c, n, duration, spec, warmup_s=warmup)
-                        recs[pol] += got
-                        windows[pol].append(window)
-                for pol in pols:
-                    s = summarize(pol, n, recs[pol], windows[pol], spec)
-                    results.append(s)
-                    console.print(f"{pol:>18} c={n:<3} {s.throughput_tokens_per_s:7.1f} tok/s  goodput "
-                                  f"{s.goodput_requests_per_s:5.2f} req/s  e2e p50 {s.e2e_p50_s:.2f}s  "
-                                  f"arms {', '.join(f'{k}:{top_arm(v)}' for k, v in s.arms.items())}")
+            results = _interleaved_levels(
+                levels if pols else [], pols, rounds, fresh, spec, console, current=lambda: c.policy().policy,
+                switch=lambda p, reset: c.update_policy(p, reset=reset),
+                run_one=lambda n: run_level(c, n, duration, spec, warmup_s=warmup))
             if policies and deployed != c.policy().policy:
                 c.update_policy(deployed)
             if overhead:
@@ -350,6 +336,34 @@ def loadtest(
         console.print(f"wrote {json_path}")
 
 
+def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, switch, run_one) -> list:
+    """Per level, ``rounds`` runs of every policy, interleaved (order reversed every other
+    round, so drift in the machine's load hits every policy alike; each run has its own
+    warm-up); one printed and returned summary per (level, policy). ``current()`` names the
+    policy in force, ``switch(policy, reset)`` changes it, ``run_one(concurrency)`` returns
+    one run's (records, window)."""
+    from adaptspec.serve.loadtest import summarize, top_arm
+
+    results = []
+    for n in levels:
+        recs: dict[str, list] = {p: [] for p in pols}
+        windows: dict[str, list] = {p: [] for p in pols}
+        for r in range(rounds):
+            for pol in pols if r % 2 == 0 else pols[::-1]:
+                if fresh or pol != current():
+                    switch(pol, fresh)
+                got, window = run_one(n)
+                recs[pol] += got
+                windows[pol].append(window)
+        for pol in pols:
+            s = summarize(pol, n, recs[pol], windows[pol], spec)
+            results.append(s)
+            console.print(f"{pol:>18} c={n:<3} {s.throughput_tokens_per_s:7.1f} tok/s  goodput "
+                          f"{s.goodput_requests_per_s:5.2f} req/s  e2e p50 {s.e2e_p50_s:.2f}s  "
+                          f"arms {', '.join(f'{k}:{top_arm(v)}' for k, v in s.arms.items())}")
+    return results
+
+
 def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration, warmup, rounds, fresh, json_path,
                          console) -> None:
     from rich.progress import Progress
@@ -357,34 +371,23 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
 
     from adaptspec.serve.config import load_config
     from adaptspec.serve.inprocess import InProcessService
-    from adaptspec.serve.loadtest import as_json, summarize, top_arm
+    from adaptspec.serve.loadtest import as_json, top_arm
 
     cfg = load_config(config)
     with console.status("loading the models"):
         svc = InProcessService(cfg, torch_threads=torch_threads)
     pols = policies or [svc.policy()]
-    results = []
-    runs = len(levels) * rounds * len(pols)
     with Progress(console=console, transient=True) as bar:
-        task = bar.add_task("runs", total=runs)
-        for n in levels:
-            recs: dict[str, list] = {p: [] for p in pols}
-            windows: dict[str, list] = {p: [] for p in pols}
-            for r in range(rounds):
-                for pol in pols if r % 2 == 0 else pols[::-1]:
-                    if fresh or pol != svc.policy():
-                        svc.update_policy(pol, reset=fresh)
-                    bar.update(task, description=f"c={n} {pol} round {r + 1}")
-                    got, window = svc.run_level(n, duration, spec, warmup_s=warmup)
-                    recs[pol] += got
-                    windows[pol].append(window)
-                    bar.advance(task)
-            for pol in pols:
-                s = summarize(pol, n, recs[pol], windows[pol], spec)
-                results.append(s)
-                console.print(f"{pol:>18} c={n:<3} {s.throughput_tokens_per_s:7.1f} tok/s  goodput "
-                              f"{s.goodput_requests_per_s:5.2f} req/s  e2e p50 {s.e2e_p50_s:.2f}s  "
-                              f"arms {', '.join(f'{k}:{top_arm(v)}' for k, v in s.arms.items())}")
+        task = bar.add_task("runs", total=len(levels) * rounds * len(pols))
+
+        def run_one(n: int):
+            bar.update(task, description=f"c={n} {svc.policy()}")
+            out = svc.run_level(n, duration, spec, warmup_s=warmup)
+            bar.advance(task)
+            return out
+
+        results = _interleaved_levels(levels, pols, rounds, fresh, spec, console, current=svc.policy,
+                                      switch=lambda p, reset: svc.update_policy(p, reset=reset), run_one=run_one)
     t = Table(title="loadtest (in-process: engine and controller, no Serve, no gRPC)")
     for col in ("policy", "conc.", "req", "tok/s", "tok per decode-s", "TTFT p50/p99", "TPOT p50/p99",
                 "arms (top per class)"):

@@ -346,3 +346,29 @@ def test_background_probes_count_their_calls(service):
     assert ok.stop() is None  # idempotent
     # the rate is over the seconds the clients were connected (no wall-clock bound: the machine may be slow)
     assert 0 < got["seconds"] < 2.0 + 60 and got["calls_per_s"] == pytest.approx(got["calls"] / got["seconds"])
+
+
+def test_loadtest_command_over_grpc_interleaves_policies_and_restores_the_deployed_one(service, tmp_path):
+    """``adaptspec loadtest`` against the running service: a level per policy, every request
+    answered, the policy switched by UpdatePolicy and switched back at the end."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from adaptspec.cli import app
+
+    _, client = service
+    _wait_for(lambda: _idle(client), "an idle replica")
+    deployed = client.policy().policy
+    out = tmp_path / "lt.json"
+    res = CliRunner().invoke(app, ["loadtest", "--address", client.address, "--concurrency", "2", "--duration", "1.0",
+                                   "--warmup", "0.2", "--max-tokens", "4", "--rounds", "2",
+                                   "--policies", "static:none:0,static:ngram:2", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    levels = json.loads(out.read_text())["levels"]
+    assert [(x["policy"], x["concurrency"]) for x in levels] == [("static:none:0", 2), ("static:ngram:2", 2)]
+    for lv in levels:
+        assert lv["requests"] > 0 and lv["errors"] == 0
+    assert {a for per in levels[0]["arms"].values() for a in per} == {"none:0"}
+    assert {a for per in levels[1]["arms"].values() for a in per} <= {"ngram:2", "ngram:1", "none:0"}
+    assert client.policy().policy == deployed
