@@ -2,8 +2,8 @@
 
 The live engine and the simulator fill the same dataclasses. The engine reports, per step,
 ``batch_size, num_prefill, verify_tokens, context_tokens, draft_s, verify_s, other_s,
-wall_s`` (and ``prefill_s``: see ``StepOutcome``) and, per request, ``request_id, request_class, drafter, k, accepted, emitted,
-drafted``;
+wall_s`` (and ``prefill_s``: see ``StepOutcome``) and, per request, ``request_id,
+request_class, drafter, k, accepted, emitted, drafted``;
 ``StepOutcome.from_requests`` is the whole adapter. The simulator, which must be fast,
 fills ``StepOutcome.groups`` directly with per-(class, arm) histograms of accepted tokens.
 """

@@ -392,9 +392,7 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
     for col in ("policy", "conc.", "req", "tok/s", "tok per decode-s", "TTFT p50/p99", "TPOT p50/p99",
                 "arms (top per class)"):
         t.add_column(col)
-    per_decode_s = {}
-    for (pol, n), (tok, sec) in svc.decode.items():
-        per_decode_s[(pol, n)] = tok / sec if sec > 0 else 0.0
+    per_decode_s = {key: tok / sec if sec > 0 else 0.0 for key, (tok, sec) in svc.decode.items()}
     for s in results:
         t.add_row(s.policy, str(s.concurrency), str(s.requests), f"{s.throughput_tokens_per_s:.1f}",
                   f"{per_decode_s.get((s.policy, s.concurrency), 0.0):.1f}",
@@ -405,13 +403,9 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
         console.print(line)
     console.print("tokens per decode-second (the steps' emitted tokens over their time less prefill; the prompt mix "
                   "does not move it):")
-    for n in sorted({s.concurrency for s in results}):
-        static = {p: v for (p, m), v in per_decode_s.items() if m == n and p.startswith("static")}
-        if static:
-            best = max(static, key=static.get)
-            for (p, m), v in per_decode_s.items():
-                if m == n and not p.startswith("static") and static[best] > 0:
-                    console.print(f"c={n}: {p} / best static ({best}) = {v / static[best]:.3f} per decode-second")
+    for line in adaptive_vs_static(results, lambda s: per_decode_s.get((s.policy, s.concurrency), 0.0),
+                                   verdict=False):
+        console.print(line + " per decode-second")
     checks = {p: c.table() for p, c in svc.cost_checks.items() if c.rows}
     for pol, rows in checks.items():
         ct = Table(title=f"{pol}: the controller's step time (decode part) against the measured one")
@@ -431,20 +425,21 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
         console.print(f"wrote {json_path}")
 
 
-def adaptive_vs_static(results) -> list[str]:
-    """Per level, each adaptive policy's throughput over the best static arm's (the goal: >= 0.95)."""
+def adaptive_vs_static(results, value=lambda s: s.throughput_tokens_per_s, verdict: bool = True) -> list[str]:
+    """Per level, each adaptive policy's ``value`` (throughput) over the best static arm's
+    (the goal: >= 0.95, shown when ``verdict``)."""
     out = []
     for n in sorted({s.concurrency for s in results}):
         static = [s for s in results if s.concurrency == n and s.policy.startswith("static")]
         if not static:
             continue
-        best = max(static, key=lambda s: s.throughput_tokens_per_s)
+        best = max(static, key=value)
         for s in results:
-            if s.concurrency == n and not s.policy.startswith("static") and best.throughput_tokens_per_s > 0:
-                r = s.throughput_tokens_per_s / best.throughput_tokens_per_s
+            if s.concurrency == n and not s.policy.startswith("static") and value(best) > 0:
+                r = value(s) / value(best)
                 # three decimals and the verdict: 0.945 printed as "0.95" read as met
-                out.append(f"c={n}: {s.policy} / best static ({best.policy}) = {r:.3f} "
-                           f"({'>=' if r >= 0.95 else '<'} 0.95)")
+                out.append(f"c={n}: {s.policy} / best static ({best.policy}) = {r:.3f}"
+                           + (f" ({'>=' if r >= 0.95 else '<'} 0.95)" if verdict else ""))
     return out
 
 

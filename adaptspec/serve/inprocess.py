@@ -21,13 +21,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from adaptspec import SamplingParams
 from adaptspec.control.base import draft_positions
 from adaptspec.control.types import StepOutcome
 from adaptspec.serve.config import ServiceConfig
 from adaptspec.serve.controller import ControlCore, PolicyUpdate
 from adaptspec.serve.loadtest import LoadSpec, RequestRecord, Window, bench_prompts
-from adaptspec.serve.loop import _spec, class_deltas
-from adaptspec.serve.types import ReplicaReport, ReplicaState
+from adaptspec.serve.loop import _spec, apply_arms, class_deltas, engine_state
+from adaptspec.serve.types import ReplicaReport
 
 
 @dataclass(slots=True)
@@ -91,6 +92,9 @@ class InProcessService:
         records: dict[str, RequestRecord] = {}
         done: list[RequestRecord] = []
         counter = 0
+        params = SamplingParams(max_new_tokens=spec.max_tokens,
+                                **({} if spec.temperature is None else {"temperature": spec.temperature}))
+        snap = core.snapshot()  # as a replica: the arms of its last report, refreshed at the next
 
         def add() -> None:
             nonlocal counter
@@ -98,13 +102,8 @@ class InProcessService:
             pool = prompts.get(cls) or prompts["chat"]
             prompt = pool[(counter // len(spec.classes)) % len(pool)]
             counter += 1
-            from adaptspec import SamplingParams
-
-            params = SamplingParams(max_new_tokens=spec.max_tokens,
-                                    **({} if spec.temperature is None else {"temperature": spec.temperature}))
             t0 = time.perf_counter()
-            rid = eng.add_request(prompt, params, _spec(core.snapshot().arm_for(cls), self.drafters),
-                                  request_class=cls)
+            rid = eng.add_request(prompt, params, _spec(snap.arm_for(cls), self.drafters), request_class=cls)
             records[rid] = RequestRecord(cls, 0.0, 0.0, 0, start_s=t0)
 
         t0 = time.perf_counter()
@@ -114,11 +113,7 @@ class InProcessService:
         last = time.perf_counter()
         self._steps.clear()
         while time.perf_counter() < window.end_s:
-            snap = core.snapshot()
-            for seq in eng.requests.values():
-                arm = snap.arm_for(seq.request_class)
-                if seq.spec.drafter != arm.drafter or seq.spec.k != arm.k:
-                    seq.spec = _spec(arm, self.drafters)
+            apply_arms(eng, snap, self.drafters)
             outs = eng.step()
             now = time.perf_counter()
             for o in outs:
@@ -136,7 +131,7 @@ class InProcessService:
                     done.append(records.pop(o.request_id))
                     add()
             if now - last >= interval:
-                self._report(now - last, check, tally if now in window else None)
+                snap = self._report(now - last, check, tally if now in window else None)
                 last = now
         now = time.perf_counter()
         for rid, rec in records.items():  # still running at the end: cut, as the gRPC test cancels them
@@ -146,18 +141,17 @@ class InProcessService:
         self._report(now - last, check, tally)
         return done, window
 
-    def _report(self, interval_s: float, check: CostCheck, tally: list[float] | None) -> None:
+    def _report(self, interval_s: float, check: CostCheck, tally: list[float] | None):
+        """Send the steps since the last report to the controller; returns its new snapshot."""
         steps, self._steps[:] = list(self._steps), []
         if not steps:
-            return
+            return self.core.snapshot()
         if tally is not None:
             tally[0] += sum(s.emitted for s in steps)
             tally[1] += sum(s.wall_s - s.prefill_s for s in steps)
         outcomes = [StepOutcome.from_step_stats(s) for s in steps]
         for o in outcomes:  # what the policy predicted for this step before it learned from it
             check.add(self.core.policy, o)
-        last = steps[-1]
-        state = ReplicaState("in-process", batch_size=last.batch_size, num_waiting=last.num_waiting,
-                             steps=self.engine.step_count, verify_tokens=last.verify_tokens,
-                             context_tokens=last.context_tokens, free_slots=len(self.engine.scheduler.free_slots))
-        self.core.report(ReplicaReport(state, outcomes, list(class_deltas(steps).values()), interval_s))
+        state = engine_state(self.engine)
+        state.replica_id = "in-process"
+        return self.core.report(ReplicaReport(state, outcomes, list(class_deltas(steps).values()), interval_s))

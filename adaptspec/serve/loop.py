@@ -113,13 +113,7 @@ class EngineCore:
 
     def state(self) -> ReplicaState:
         """The engine's side of the replica's state (``replica_id`` and ``in_flight`` are the caller's)."""
-        eng = self.engine
-        last = eng.last_step
-        return ReplicaState("", batch_size=last.batch_size if last else 0,
-                            num_waiting=last.num_waiting if last else 0, steps=eng.step_count,
-                            drafter_faults=self._faults_fn(), verify_tokens=last.verify_tokens if last else 0,
-                            context_tokens=last.context_tokens if last else 0,
-                            free_slots=len(eng.scheduler.free_slots))
+        return engine_state(self.engine, self._faults_fn())
 
     def _main(self) -> None:
         try:
@@ -187,14 +181,9 @@ class EngineCore:
         return changed
 
     def _apply_arms(self) -> None:
-        snap = self.snapshot
-        for rid, seq in self.engine.requests.items():
-            meta = self._meta.get(rid)
-            if meta is None or meta.fixed_arm:
-                continue
-            arm = snap.arm_for(seq.request_class)
-            if seq.spec.drafter != arm.drafter or seq.spec.k != arm.k:
-                seq.spec = _spec(arm, self.drafters)
+        meta = self._meta
+        apply_arms(self.engine, self.snapshot, self.drafters,
+                   lambda rid: (m := meta.get(rid)) is not None and not m.fixed_arm)
 
     def _chunk(self, out) -> EngineChunk | None:
         meta = self._meta.get(out.request_id)
@@ -385,6 +374,25 @@ class EngineLoop(_Callers):
 
     def _post(self, cmd: tuple) -> None:
         self.core.post(cmd)
+
+
+def engine_state(eng, drafter_faults: int = 0) -> ReplicaState:
+    """A replica's state as its engine sees it (``replica_id`` and ``in_flight`` left to the caller)."""
+    last = eng.last_step
+    return ReplicaState("", batch_size=last.batch_size if last else 0, num_waiting=last.num_waiting if last else 0,
+                        steps=eng.step_count, drafter_faults=drafter_faults,
+                        verify_tokens=last.verify_tokens if last else 0,
+                        context_tokens=last.context_tokens if last else 0, free_slots=len(eng.scheduler.free_slots))
+
+
+def apply_arms(eng, snap: PolicySnapshot, drafters: tuple[str, ...], follows=lambda request_id: True) -> None:
+    """Before a step: every request that ``follows`` the policy takes its class's arm in ``snap``."""
+    for rid, seq in eng.requests.items():
+        if not follows(rid):
+            continue
+        arm = snap.arm_for(seq.request_class)
+        if seq.spec.drafter != arm.drafter or seq.spec.k != arm.k:
+            seq.spec = _spec(arm, drafters)
 
 
 def class_deltas(step_stats: list) -> dict[str, ClassDelta]:
