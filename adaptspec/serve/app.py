@@ -35,6 +35,10 @@ def build_app(config: ServiceConfig):
     from adaptspec.serve.controller import Controller
     from adaptspec.serve.target import TargetEngine
 
+    if config.http.enabled:  # the OpenAI-compatible HTTP routes, served by the same replicas as gRPC
+        from ray import serve
+
+        TargetEngine = TargetEngine.options(func_or_class=serve.ingress()(TargetEngine.func_or_class))  # noqa: N806
     args = config.model_dump(mode="json")
     controller = Controller.bind(args)
     drafter = None
@@ -46,9 +50,41 @@ def build_app(config: ServiceConfig):
             ray_actor_options={"num_cpus": config.drafter.num_cpus, "num_gpus": config.drafter.num_gpus},
         ).bind(args)
     return TargetEngine.options(
-        num_replicas=config.target.num_replicas,
         ray_actor_options={"num_cpus": config.target.num_cpus, "num_gpus": config.target.num_gpus},
+        **target_options(config),
     ).bind(args, controller, drafter)
+
+
+CONTROL_CALLS = 8  # ongoing calls per replica beyond the engine's capacity: stats, policy, health
+
+
+def target_options(config: ServiceConfig) -> dict:
+    """Serve options of the TargetEngine deployment that follow the engine's capacity.
+
+    ``max_ongoing_requests`` is what one replica's engine holds (KV slots + its queue) plus
+    ``CONTROL_CALLS``: Serve's router sends each call to the less loaded of two replicas
+    (power of two choices) and never past that limit, so a busy replica's calls go to an
+    idle one instead of to an engine that can only refuse them (it used to be 1,024 against
+    an engine holding 80). The few calls of headroom keep stats, policy and health calls
+    (served by the same replicas) answering on a full replica; a Generate that lands in
+    them is refused at once (RESOURCE_EXHAUSTED: every replica the router looked at is
+    full), and beyond them Serve holds up to ``max_queued_requests`` calls per proxy before
+    refusing. Autoscaling, when configured, aims at ``target_ongoing_requests`` per replica
+    (default: the KV slots, so a replica is added as requests start to wait)."""
+    eng, tgt = config.engine, config.target
+    opts: dict = {"max_ongoing_requests": eng.max_num_seqs + eng.max_queued + CONTROL_CALLS,
+                  "max_queued_requests": tgt.max_queued_requests if tgt.max_queued_requests is not None
+                  else max(eng.max_queued, 1)}
+    if tgt.autoscaling is None:
+        opts["num_replicas"] = tgt.num_replicas
+    else:
+        a = tgt.autoscaling
+        opts["autoscaling_config"] = {
+            "min_replicas": a.min_replicas, "max_replicas": a.max_replicas,
+            "initial_replicas": max(a.min_replicas, 1),
+            "target_ongoing_requests": a.target_ongoing_requests or float(eng.max_num_seqs),
+            "upscale_delay_s": a.upscale_delay_s, "downscale_delay_s": a.downscale_delay_s}
+    return opts
 
 
 def app_builder(args: dict):
@@ -68,6 +104,11 @@ def start(config: ServiceConfig, *, num_cpus: int | None = None) -> Running:
     from ray import serve
     from ray.serve.config import gRPCOptions
 
+    from adaptspec.serve.auth import ensure_token
+
+    # the admin token: the operator's variable, else $ADAPTSPEC_HOME/admin-token (created once,
+    # mode 0600), which the replicas on this machine and the CLI read
+    ensure_token(config.auth.admin_token_env)
     if not ray.is_initialized():
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         # Ray starts workers at niceness 15; the engine replica is the service, not background work

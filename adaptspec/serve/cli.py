@@ -15,6 +15,7 @@ def register(app: typer.Typer) -> None:
     app.command("serve")(serve)
     app.command("generate")(generate)
     app.command("stats")(stats)
+    app.command("policy")(policy)
     app.command("loadtest")(loadtest)
     app.command("demo")(demo)
 
@@ -206,6 +207,51 @@ def stats(
                     live.update(stats_table(c.stats()))
         except KeyboardInterrupt:
             pass
+
+
+@fail_cleanly
+def policy(
+    set_policy: Optional[str] = typer.Option(None, "--set", help="switch to this policy (thompson, ucb, ema, "
+                                                                  "heuristic, static:<drafter>:<k>)"),
+    pin: list[str] = typer.Option([], "--pin", help="CLASS=DRAFTER:K: always use this arm for the class"),
+    unpin: list[str] = typer.Option([], "--unpin", help="CLASS: let the policy choose again"),
+    reset: bool = typer.Option(False, "--reset", help="start the policy afresh (forget what it learned)"),
+    address: str = typer.Option("127.0.0.1:9000", help="gRPC address of the service"),
+    app_name: str = typer.Option("adaptspec", "--app"),
+    token_file: Optional[str] = typer.Option(None, help="admin token file (default: $ADAPTSPEC_ADMIN_TOKEN, else "
+                                                        "$ADAPTSPEC_HOME/admin-token, which `adaptspec serve` writes)"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Show the speculation policy, or change it (admin calls: they send the admin token)."""
+    import grpc
+    from google.protobuf.json_format import MessageToDict
+
+    from adaptspec.serve.client import Client
+
+    pins = {}
+    for i, p in enumerate(pin):
+        cls, _, arm = p.partition("=")
+        drafter, _, k = arm.partition(":")
+        if not cls or not drafter or not k.isdigit():
+            raise ValueError(f"--pin[{i}]: {p!r} is not CLASS=DRAFTER:K (e.g. chat=ngram:4)")
+        pins[cls] = (drafter, int(k))
+    with Client(address, app_name, token_file=token_file) as c:
+        try:
+            if set_policy or pins or unpin or reset:
+                st = c.update_policy(set_policy or "", pins=pins, unpin=unpin, reset=reset)
+            else:
+                st = c.policy()
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAUTHENTICATED,
+                              grpc.StatusCode.PERMISSION_DENIED):
+                raise ValueError(f"{exc.code().name}: {exc.details()}") from None
+            raise
+    if as_json:
+        print(json.dumps(MessageToDict(st)))
+        return
+    print(f"policy {st.policy} (v{st.version}), drafters {', '.join(st.drafters)}, max_k {st.max_k}")
+    for c in st.classes:
+        print(f"  {c.request_class:<16} {c.arm:<10} {'pinned' if c.pinned else ''}")
 
 
 @fail_cleanly

@@ -13,12 +13,25 @@ DEFAULT_ADDRESS = "127.0.0.1:9000"
 class Client:
     """Adds the ``application`` metadata the Serve proxy routes on."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, app_name: str = "adaptspec"):
+    def __init__(self, address: str = DEFAULT_ADDRESS, app_name: str = "adaptspec", *, token: str | None = None,
+                 token_file: str | None = None):
+        """``token``: the admin token for GetPolicy / UpdatePolicy; default: ``token_file`` if
+        given, else $ADAPTSPEC_ADMIN_TOKEN, else ``$ADAPTSPEC_HOME/admin-token`` (read at the
+        first admin call, and sent with admin calls only)."""
         self.address, self.app_name = address, app_name
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.AdaptSpecStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.metadata = (("application", app_name),)
+        self._token, self._token_file = token, token_file
+
+    @property
+    def admin_metadata(self) -> tuple:
+        from adaptspec.serve import auth
+
+        if self._token is None:
+            self._token = auth.client_token(path=self._token_file) or ""
+        return self.metadata + ((auth.authorization_metadata(self._token),) if self._token else ())
 
     def generate(self, prompt: str = "", *, timeout: float | None = None, **fields) -> pb.GenerateResponse:
         return self.stub.Generate(request(prompt, **fields), metadata=self.metadata, timeout=timeout)
@@ -31,7 +44,7 @@ class Client:
         return self.stub.GetStats(pb.GetStatsRequest(), metadata=self.metadata, timeout=timeout)
 
     def policy(self, timeout: float | None = 10) -> pb.PolicyState:
-        return self.stub.GetPolicy(pb.GetPolicyRequest(), metadata=self.metadata, timeout=timeout)
+        return self.stub.GetPolicy(pb.GetPolicyRequest(), metadata=self.admin_metadata, timeout=timeout)
 
     def update_policy(self, policy: str = "", pins: dict[str, tuple[str, int]] | None = None,
                       unpin: list[str] | None = None, timeout: float | None = 10,
@@ -39,7 +52,7 @@ class Client:
         req = pb.UpdatePolicyRequest(policy=policy, unpin=unpin or [], reset=reset,
                                      pin=[pb.Pin(request_class=c, arm=pb.Arm(drafter=d, k=k))
                                           for c, (d, k) in (pins or {}).items()])
-        return self.stub.UpdatePolicy(req, metadata=self.metadata, timeout=timeout)
+        return self.stub.UpdatePolicy(req, metadata=self.admin_metadata, timeout=timeout)
 
     def health(self, service: str = "", timeout: float | None = 10):
         """``grpc.health.v1.Health/Check``: the status of the server ("") or of one service."""

@@ -69,8 +69,33 @@ class EngineOptions(_Strict):
                             "placement, whose draft proposer calls Drafter replicas through the replica's handles)")
 
 
+class TargetAutoscaling(_Strict):
+    """Serve autoscaling of the TargetEngine deployment on ongoing requests (replaces num_replicas)."""
+
+    min_replicas: int = Field(1, ge=0, description="fewest TargetEngine replicas")
+    max_replicas: int = Field(4, ge=1, description="most TargetEngine replicas (the Ray cluster must be able to "
+                                                   "grow to hold them: KubeRay's autoscaler adds worker pods)")
+    target_ongoing_requests: float | None = Field(
+        None, gt=0, description="ongoing requests per replica Serve aims for; null: engine.max_num_seqs (a replica "
+                                "scales out when its KV slots are full and requests start to queue)")
+    upscale_delay_s: float = Field(30.0, ge=0, description="seconds above target before adding a replica")
+    downscale_delay_s: float = Field(600.0, ge=0, description="seconds below target before removing one (a "
+                                                              "replica's model load is expensive)")
+
+    @model_validator(mode="after")
+    def _order(self) -> "TargetAutoscaling":
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas: {self.min_replicas} exceeds max_replicas {self.max_replicas}")
+        return self
+
+
 class TargetDeployment(_Strict):
-    num_replicas: int = Field(1, ge=1, description="TargetEngine replicas")
+    num_replicas: int = Field(1, ge=1, description="TargetEngine replicas (ignored when autoscaling is set)")
+    autoscaling: TargetAutoscaling | None = Field(None, description="Serve autoscaling of the replicas on ongoing "
+                                                                     "requests; null: a fixed num_replicas")
+    max_queued_requests: int | None = Field(
+        None, ge=1, description="calls each Serve proxy holds while every replica is at capacity (max_num_seqs + "
+                                "max_queued ongoing each) before answering RESOURCE_EXHAUSTED; null: engine.max_queued")
     num_cpus: float = Field(2.0, ge=0, description="CPUs reserved per TargetEngine replica (also its torch "
                                                    "threads unless engine.torch_threads is set)")
     num_gpus: float = Field(0.0, ge=0, description="GPUs per TargetEngine replica")
@@ -112,6 +137,13 @@ class ControllerOptions(_Strict):
         60.0, gt=0, description="thompson: seconds of engine steps in which every drafter's acceptance evidence "
                                 "loses half its weight, so a drafter that lost is tried again when it may have "
                                 "improved; null: only the drafter that ran is discounted (never retried)")
+    checkpoint: str | None = Field(
+        "ray", description="where the controller keeps what its policies learned, so a restarted controller "
+                           "resumes it: `ray` (Ray's GCS key-value store: survives a controller restart, and a "
+                           "head restart with GCS fault tolerance), a file path (e.g. on a volume), or null (memory "
+                           "only)")
+    checkpoint_interval_s: float = Field(10.0, gt=0, description="seconds between checkpoints (also written after "
+                                                                 "every policy update)")
     cost_profile: str | None = Field(
         "auto", description="step-cost prior for the model-based policy: a built-in profile name "
                             "(e.g. cpu-smollm2-135m-fp32), a path to an `adaptspec calibrate` JSON, `auto` "
@@ -134,6 +166,30 @@ class FaultInjection(_Strict):
     every: int = Field(1, ge=1, description="then fail every n-th call (1: always)")
 
 
+class AuthConfig(_Strict):
+    admin_token_env: str = Field(
+        "ADAPTSPEC_ADMIN_TOKEN", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="environment variable holding the admin token that UpdatePolicy and GetPolicy need (metadata "
+                    "`authorization: Bearer <token>`); unset: the token in $ADAPTSPEC_HOME/admin-token, which "
+                    "`adaptspec serve` creates (mode 0600); neither: admin calls are refused")
+
+
+class HttpApiOptions(_Strict):
+    """The OpenAI-compatible HTTP API (``adaptspec.serve.openai_api``) on Serve's HTTP proxy."""
+
+    enabled: bool = Field(True, description="serve /v1/chat/completions, /v1/completions, /v1/models and /health "
+                                            "on the HTTP proxy (http_port, under /<app_name>) beside gRPC")
+    api_keys_env: str = Field(
+        "ADAPTSPEC_API_KEYS", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="environment variable with the accepted API keys, comma-separated, or the path (starting "
+                    "with /) of a file holding them, one per line (a Kubernetes Secret volume; re-read when it "
+                    "changes); unset or empty: no key is needed")
+    default_class: str = Field("default", description="request class when neither the x-adaptspec-class header "
+                                                      "nor metadata.request_class names one")
+    model_name: str | None = Field(None, description="the model id clients send and /v1/models lists; null: "
+                                                     "models.target as written")
+
+
 class ServiceConfig(_Strict):
     """The whole service: models, engine, deployments, controller, classes, network."""
 
@@ -141,7 +197,8 @@ class ServiceConfig(_Strict):
                                                    "`application` metadata key")
     host: str = Field("0.0.0.0", description="proxy bind address (HTTP; gRPC binds all interfaces)")
     grpc_port: int = Field(9000, ge=1, le=65535, description="Serve gRPC proxy port")
-    http_port: int = Field(8000, ge=1, le=65535, description="Serve HTTP proxy port (health, ListApplications)")
+    http_port: int = Field(8000, ge=1, le=65535, description="Serve HTTP proxy port (the OpenAI-compatible API, "
+                                                                 "Serve's health)")
     placement: Literal["colocated", "disaggregated"] = Field(
         "colocated", description="draft model in the target's replica, or in separate Drafter replicas")
     models: ModelsConfig = Field(default_factory=ModelsConfig, description="target and draft models")
@@ -158,6 +215,15 @@ class ServiceConfig(_Strict):
     default_max_tokens: int = Field(128, ge=1, description="max_tokens when the request leaves it unset")
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     faults: FaultInjection | None = Field(None, description="inject drafter faults (tests, chaos drills)")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="who may call the admin methods")
+    http: HttpApiOptions = Field(default_factory=HttpApiOptions, description="the OpenAI-compatible HTTP API")
+    allow_client_speculation: bool = Field(
+        True, description="may a request choose its own arm (`speculation`)? A large k costs every request in the "
+                          "batch, so shared deployments turn this off (PERMISSION_DENIED)")
+    max_stop_strings: int = Field(16, ge=0, description="stop strings per request (INVALID_ARGUMENT beyond)")
+    max_stop_chars: int = Field(256, ge=1, description="characters per stop string (INVALID_ARGUMENT beyond)")
+    max_prompt_bytes: int = Field(1 << 20, ge=1, description="UTF-8 bytes of a prompt's text, checked before it is "
+                                                             "tokenized (INVALID_ARGUMENT beyond)")
 
     @model_validator(mode="after")
     def _check(self) -> "ServiceConfig":
@@ -166,6 +232,8 @@ class ServiceConfig(_Strict):
             raise ValueError(f"classes: duplicate names in {names}")
         if "default" not in names:
             self.classes.append(ClassConfig(name="default"))
+        if self.http.default_class not in self.class_names:
+            raise ValueError(f"http.default_class: {self.http.default_class!r} is not a class ({', '.join(self.class_names)})")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError(f"default_max_tokens: {self.default_max_tokens} exceeds max_tokens_limit "
                              f"{self.max_tokens_limit}")

@@ -6,8 +6,13 @@ calls are serialised on its event loop.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
+import logging
+import os
+import pickle
 import time
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from ray import serve
@@ -18,6 +23,9 @@ from adaptspec.serve.policies import AVAILABLE, load_cost_prior, make_policy
 from adaptspec.serve.types import ClassDelta, PolicySnapshot, ReplicaReport, ReplicaState
 
 GOODPUT_WINDOW_S = 10.0
+CHECKPOINT_FORMAT = 1  # bump when the pickled state's shape changes: older checkpoints are then ignored
+CHECKPOINT_NAMESPACE = "adaptspec"
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -190,11 +198,116 @@ class ControlCore:
         self._refresh(Load())
         return self.policy_view()
 
+    # ---- checkpoints ---------------------------------------------------------------------
+    def _fingerprint(self) -> tuple:
+        """What a checkpoint's policies were built for: restoring them elsewhere would be wrong."""
+        return (CHECKPOINT_FORMAT, self.drafters, self.max_k, self.targets)
+
+    def state_bytes(self) -> bytes:
+        """What the policies learned, the operator's choices and the per-class counters."""
+        return pickle.dumps({"fingerprint": self._fingerprint(), "policy_name": self.policy_name,
+                             "policies": self._policies, "pins": self.pins, "classes": self.classes,
+                             "version": self.version}, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def restore(self, data: bytes) -> bool:
+        """Resume from ``state_bytes``; False (and nothing changed) when the checkpoint was made
+        for other drafters, max_k or latency targets."""
+        state = pickle.loads(data)  # noqa: S301 - written by this controller to a store only it writes
+        if state.get("fingerprint") != self._fingerprint():
+            return False
+        self._policies = state["policies"]
+        self.policy_name = state["policy_name"]
+        self.policy = self._policies[self.policy_name]
+        self.pins = state["pins"]
+        self.classes.update(state["classes"])
+        self.version = state["version"]
+        self._refresh(Load())
+        return True
+
+
+class CheckpointStore:
+    """Where the controller's state lives between restarts: Ray's GCS key-value store
+    (``ray``: outlives the controller's actor; with GCS fault tolerance, the head too) or a
+    file (a volume's path: outlives the Ray cluster). Writes are whole and atomic."""
+
+    def __init__(self, where: str, app_name: str):
+        self.where, self.key = where, f"adaptspec/{app_name}/controller-state".encode()
+
+    def load(self) -> bytes | None:
+        if self.where == "ray":
+            from ray.experimental import internal_kv
+
+            return internal_kv._internal_kv_get(self.key, namespace=CHECKPOINT_NAMESPACE)
+        path = Path(self.where).expanduser()
+        return path.read_bytes() if path.is_file() else None
+
+    def save(self, data: bytes) -> None:
+        if self.where == "ray":
+            from ray.experimental import internal_kv
+
+            internal_kv._internal_kv_put(self.key, data, overwrite=True, namespace=CHECKPOINT_NAMESPACE)
+            return
+        path = Path(self.where).expanduser()
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
 
 @serve.deployment(name="Controller", num_replicas=1, ray_actor_options={"num_cpus": 0})
 class Controller:
-    def __init__(self, config: dict):
-        self.core = ControlCore(ServiceConfig.model_validate(config))
+    """One controller for every target replica (each sends its reports here and runs on the
+    snapshots it answers with). With ``controller.checkpoint`` set, it resumes the last
+    checkpoint at start and writes one every ``checkpoint_interval_s`` while its state changes
+    and after every policy update."""
+
+    async def __init__(self, config: dict):
+        cfg = ServiceConfig.model_validate(config)
+        self.core = ControlCore(cfg)
+        self.store = CheckpointStore(cfg.controller.checkpoint, cfg.app_name) if cfg.controller.checkpoint else None
+        self._saved_version = -1
+        self._task = None
+        if self.store is not None:
+            self._restore()
+            self._task = asyncio.get_running_loop().create_task(self._checkpoint_forever(
+                cfg.controller.checkpoint_interval_s))
+
+    def _restore(self) -> None:
+        try:
+            data = self.store.load()
+            if data is None:
+                return
+            if self.core.restore(data):
+                self._saved_version = self.core.version
+                log.info("controller state restored from %s (policy %s, version %d)", self.store.where,
+                         self.core.policy_name, self.core.version)
+            else:
+                log.warning("controller checkpoint in %s was made for other drafters, max_k or targets: "
+                            "starting afresh", self.store.where)
+        except Exception:  # a damaged checkpoint must not keep the service down: start afresh
+            log.exception("controller checkpoint in %s unreadable: starting afresh", self.store.where)
+
+    def checkpoint(self) -> bool:
+        """Write the state if it changed since the last write; False if the write failed."""
+        if self.store is None or self.core.version == self._saved_version:
+            return True
+        version = self.core.version
+        try:
+            self.store.save(self.core.state_bytes())
+        except Exception:
+            log.warning("controller checkpoint to %s failed", self.store.where, exc_info=True)
+            return False
+        self._saved_version = version
+        return True
+
+    async def _checkpoint_forever(self, interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            self.checkpoint()
 
     async def report(self, rep: ReplicaReport) -> PolicySnapshot:
         return self.core.report(rep)
@@ -211,6 +324,12 @@ class Controller:
     async def update_policy(self, upd: PolicyUpdate) -> PolicyView | str:
         """The new policy view, or the ValueError message (the caller maps it to INVALID_ARGUMENT)."""
         try:
-            return self.core.update(upd)
+            view = self.core.update(upd)
         except ValueError as exc:
             return str(exc)
+        self.checkpoint()  # an operator's change survives a restart that follows it at once
+        return view
+
+    async def save_checkpoint(self) -> bool:
+        """Write a checkpoint now (tests, and an operator before a planned restart)."""
+        return self.checkpoint()

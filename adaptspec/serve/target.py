@@ -43,7 +43,7 @@ class TargetEngine(Ingress):
             self.loop = await self._thread_loop(cfg, drafter)
         try:
             self.controller = controller
-            self.metrics = ServiceMetrics()
+            self.metrics = ServiceMetrics(cfg)
             self._faults_reported = 0
             self._report_task = asyncio.get_running_loop().create_task(self._report_forever())
         except BaseException:
@@ -109,6 +109,7 @@ class TargetEngine(Ingress):
 
     def _record_metrics(self, steps, finished) -> None:
         self.metrics.observe_steps(steps)
+        self.metrics.observe_state(self.loop.state(), self.loop.snapshot)
         for cls, reason, tokens in finished:
             self.metrics.observe_finished(cls, reason, tokens)
         faults = self.loop.state().drafter_faults

@@ -405,8 +405,12 @@ def _event_loop_thread():
 
 
 class _Ctx:
-    def __init__(self):
+    def __init__(self, metadata=()):
         self.code = self.details = None
+        self.metadata = list(metadata)
+
+    def invocation_metadata(self):
+        return self.metadata
 
     def set_code(self, code):
         self.code = code
@@ -529,7 +533,7 @@ def test_streamed_text_with_a_stop_string_adds_up_to_the_final_text(engines):
     assert "".join(c.text for c in streamed) == final and streamed[-1].finish_reason == "stop"
 
 
-def test_ingress_closes_the_engine_stream_at_once_and_answers_unavailable_without_a_controller():
+def test_ingress_closes_the_engine_stream_at_once_and_answers_unavailable_without_a_controller(monkeypatch):
     from types import SimpleNamespace
 
     import grpc
@@ -565,7 +569,8 @@ def test_ingress_closes_the_engine_stream_at_once_and_answers_unavailable_withou
     assert len(asyncio.run(cancel_mid_stream())) == 1  # the engine's cleanup ran before aclose returned
     for call, req in ((Host().GetStats, pb.GetStatsRequest()), (Host().GetPolicy, pb.GetPolicyRequest()),
                       (Host().UpdatePolicy, pb.UpdatePolicyRequest(policy="ucb"))):
-        ctx = _Ctx()
+        monkeypatch.setenv("ADAPTSPEC_ADMIN_TOKEN", "t0ken")  # GetPolicy and UpdatePolicy are admin calls
+        ctx = _Ctx([("authorization", "Bearer t0ken")])
         asyncio.run(call(req, ctx))
         assert ctx.code == grpc.StatusCode.UNAVAILABLE and "controller" in ctx.details
 
