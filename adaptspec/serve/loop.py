@@ -242,6 +242,12 @@ class _Callers:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def tokenizer(self):
+        """The replica's copy of the engine's tokenizer (text deltas, the HTTP API's chat template);
+        use it on the callers' event loop only."""
+        return self._detok
+
     def _post(self, cmd: tuple) -> None:
         raise NotImplementedError
 
