@@ -91,6 +91,7 @@ class RunMetrics:
     # latency distributions for CDF plots: the 0th..100th percentiles (seconds)
     tpot_quantiles: list[float] = field(default_factory=list)
     ttft_quantiles: list[float] = field(default_factory=list)
+    clients: int | None = None  # a closed loop's client count (rate_rps is None then)
 
 
 def compute_metrics(policy: str, rate: float | None, req: Requests, rec: Recorder, class_names: list[str],

@@ -16,13 +16,20 @@ def _ms(x: float) -> str:
     return "-" if x is None or math.isnan(x) else f"{x * 1e3:.1f}"
 
 
+def _level(r: RunMetrics) -> str:
+    """The load column: the rate, or a closed loop's client count."""
+    if r.clients is not None:
+        return f"{r.clients} cl."
+    return "-" if r.rate_rps is None else f"{r.rate_rps:g}"
+
+
 def table_rows(runs: list[RunMetrics]) -> tuple[list[str], list[list[str]]]:
     head = ["policy", "rps", "goodput", "SLO %", "req/s", "out tok/s", "TTFT p50/p99 ms", "TPOT p50/p99 ms",
             "ITL p50 ms", "E2E p50 s", "acc len", "decide us"]
     rows = []
     for r in runs:
         rows.append([
-            r.policy, "-" if r.rate_rps is None else f"{r.rate_rps:g}", f"{r.goodput_rps:.2f}",
+            r.policy, _level(r), f"{r.goodput_rps:.2f}",
             f"{100 * r.slo_attainment:.1f}", f"{r.request_throughput:.2f}", f"{r.output_token_throughput:.0f}",
             f"{_ms(r.ttft.p50)}/{_ms(r.ttft.p99)}", f"{_ms(r.tpot.p50)}/{_ms(r.tpot.p99)}", _ms(r.itl.p50),
             "-" if math.isnan(r.e2e.p50) else f"{r.e2e.p50:.2f}", f"{r.mean_accepted_length:.2f}",
@@ -36,7 +43,7 @@ def class_rows(runs: list[RunMetrics]) -> tuple[list[str], list[list[str]]]:
     for r in runs:
         for c in r.classes:
             arms = ", ".join(f"{a} {100 * s:.0f}%" for a, s in c.arm_share[:3])
-            rows.append([r.policy, "-" if r.rate_rps is None else f"{r.rate_rps:g}", c.name, f"{c.goodput_rps:.2f}",
+            rows.append([r.policy, _level(r), c.name, f"{c.goodput_rps:.2f}",
                          f"{100 * c.slo_attainment:.1f}", f"{_ms(c.tpot.p50)}/{_ms(c.tpot.p99)}",
                          f"{c.mean_accepted_length:.2f}", arms])
     return head, rows

@@ -47,7 +47,12 @@ from adaptspec.sim.simulator import RunSetup, simulate
 from adaptspec.sim.workload import Requests, read_trace, synthesize
 
 
-def acceptance_model(spec: AcceptanceSpec, base: Path, where: str) -> AcceptanceModel:
+def acceptance_model(spec: AcceptanceSpec, base: Path, where: str, request_class: str | None = None,
+                     drafter: str | None = None) -> AcceptanceModel:
+    if spec.recorded is not None:
+        from adaptspec.sim.acceptance_replay import recorded_model
+
+        return recorded_model(spec.recorded, base, f"{where}.recorded", request_class, drafter)
     if spec.bernoulli is not None:
         return BernoulliAcceptance(spec.bernoulli)
     if spec.positions is not None:
@@ -68,11 +73,11 @@ def acceptance_model(spec: AcceptanceSpec, base: Path, where: str) -> Acceptance
 def class_truths(sc: Scenario, base: Path) -> list[ClassTruth]:
     out = []
     for i, c in enumerate(sc.classes):
-        acc = {d: acceptance_model(a, base, f"classes.{i}.acceptance.{d}") for d, a in c.acceptance.items()}
+        acc = {d: acceptance_model(a, base, f"classes.{i}.acceptance.{d}", c.name, d) for d, a in c.acceptance.items()}
         shifted = None
         if c.shift is not None:
             shifted = dict(acc)
-            shifted.update({d: acceptance_model(a, base, f"classes.{i}.shift.acceptance.{d}")
+            shifted.update({d: acceptance_model(a, base, f"classes.{i}.shift.acceptance.{d}", c.name, d)
                             for d, a in c.shift.acceptance.items()})
         out.append(ClassTruth(c.name, acc, c.shift.at_s if c.shift else None, shifted))
     return out
@@ -154,7 +159,11 @@ def _workload(sc: Scenario, base: Path, rate: float | None, rng: np.random.Gener
     if wl.trace is not None:
         return read_trace(wl.trace, base, sc.classes, sc.duration_s, rng)
     if rate is not None:
-        wl = WorkloadSpec(arrival=wl.arrival, rate=ConstantRate(kind="constant", rps=rate))
+        wl = WorkloadSpec(arrival=wl.arrival, rate=ConstantRate(kind="constant", rps=rate), prompt_set=wl.prompt_set)
+    if wl.prompt_set is not None:
+        from adaptspec.sim.closed_loop import open_loop_requests
+
+        return open_loop_requests(wl, sc.classes, sc.duration_s, base, rng)
     return synthesize(wl, sc.classes, sc.duration_s, rng)
 
 
@@ -170,6 +179,10 @@ def run_scenario(sc: Scenario, base: Path | None, *, only: list[str] | None = No
         if unknown:
             raise ValueError(f"--policy: {sorted(unknown)} not in the scenario's policies "
                              f"{[policy_label(p) for p in sc.policies]}")
+    if sc.workload.closed_loop is not None:
+        from adaptspec.sim.closed_loop import run_closed_loop
+
+        return run_closed_loop(sc, base, specs, seed=seed, progress=progress)
     rates = sc.sweep.rps if sc.sweep is not None else [None]
     result = ScenarioResult(sc.name)
     slos = []

@@ -62,17 +62,30 @@ class ReplaySpec(_Strict):
         return self
 
 
+class RecordedSpec(_Strict):
+    file: str = Field(description="acceptance recording JSON (adaptspec fidelity writes one), relative to the "
+                                  "scenario")
+    request_class: str | None = Field(None, description="class in the recording (default: this class's name)")
+    drafter: Literal["ngram", "draft"] | None = Field(None, description="drafter in the recording (default: the "
+                                                                        "drafter this acceptance is given for)")
+    min_steps: int = Field(30, ge=1, description="replay the histogram recorded at the k asked for when it has "
+                                                 "this many request-steps, else the pooled per-position rates")
+
+
 class AcceptanceSpec(_Strict):
     bernoulli: float | None = Field(None, ge=0, lt=1, description="per-token acceptance rate")
     positions: list[Annotated[float, Field(ge=0, le=1)]] | None = Field(
         None, description="conditional acceptance per position (the last repeats)")
     replay: ReplaySpec | None = Field(None, description="accepted lengths recorded from the live engine")
+    recorded: RecordedSpec | None = Field(None, description="per-k, per-position acceptance recorded from the live "
+                                                            "engine, per class and drafter")
 
     @model_validator(mode="after")
     def _one(self) -> "AcceptanceSpec":
-        given = [n for n in ("bernoulli", "positions", "replay") if getattr(self, n) is not None]
+        given = [n for n in ("bernoulli", "positions", "replay", "recorded") if getattr(self, n) is not None]
         if len(given) != 1:
-            raise ValueError(f"acceptance: give exactly one of bernoulli, positions, replay (got {given or 'none'})")
+            raise ValueError(f"acceptance: give exactly one of bernoulli, positions, replay, recorded "
+                             f"(got {given or 'none'})")
         return self
 
 
@@ -143,20 +156,59 @@ class TraceSpec(_Strict):
     max_requests: int | None = Field(None, gt=0, description="take at most this many rows")
 
 
+class ThinkTimeSpec(_Strict):
+    dist: Literal["fixed", "exponential"] = Field("fixed", description="law of a client's pause between a reply "
+                                                                       "and its next request")
+    mean_s: float = Field(0.0, ge=0, description="mean pause in seconds (0: the next request goes at once, as "
+                                                 "adaptspec loadtest's clients send it)")
+
+
+class ClosedLoopSpec(_Strict):
+    clients: int = Field(gt=0, description="clients, each sending its next request once its last one finished "
+                                           "(and its think time passed); none start after duration_s")
+    think_time: ThinkTimeSpec = Field(default_factory=ThinkTimeSpec, description="pause between a reply and the "
+                                                                                 "client's next request")
+
+
+class PromptSetSpec(_Strict):
+    path: str = Field(description="CSV with request_class, num_prefill_tokens, num_decode_tokens: one row per "
+                                  "prompt, each class's rows in the order they are sent (relative to the scenario)")
+    order: Literal["round_robin", "random"] = Field(
+        "round_robin", description="round_robin: the classes in turn (scenario order, weight > 0) and each class's "
+                                   "prompts in turn, as adaptspec loadtest sends them; random: a class by weight, "
+                                   "then one of its prompts uniformly")
+
+
 class WorkloadSpec(_Strict):
     arrival: ArrivalSpec = Field(default_factory=ArrivalSpec, description="arrival process")
     rate: RateSpec | None = Field(None, description="rate schedule (not with trace)")
     trace: TraceSpec | None = Field(None, description="replay a request trace")
+    closed_loop: ClosedLoopSpec | None = Field(None, description="a closed loop of clients instead of arrivals "
+                                                                 "(not with rate or trace)")
+    prompt_set: PromptSetSpec | None = Field(None, description="prompt and output lengths from a prompt set "
+                                                               "instead of the classes' distributions (not with trace)")
 
     @model_validator(mode="after")
     def _one(self) -> "WorkloadSpec":
-        if (self.rate is None) == (self.trace is None):
-            raise ValueError("workload: give exactly one of rate or trace")
+        given = [n for n in ("rate", "trace", "closed_loop") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise ValueError(f"workload: give exactly one of rate, trace or closed_loop (got {given or 'none'})")
+        if self.prompt_set is not None and self.trace is not None:
+            raise ValueError("workload.prompt_set: not with a trace (the trace gives the lengths)")
         return self
 
 
 class SweepSpec(_Strict):
-    rps: list[Annotated[float, Field(gt=0)]] = Field(min_length=1, description="constant rates to run in turn")
+    rps: list[Annotated[float, Field(gt=0)]] | None = Field(None, min_length=1,
+                                                           description="constant rates to run in turn")
+    clients: list[Annotated[int, Field(gt=0)]] | None = Field(None, min_length=1,
+                                                             description="closed-loop client counts to run in turn")
+
+    @model_validator(mode="after")
+    def _one(self) -> "SweepSpec":
+        if (self.rps is None) == (self.clients is None):
+            raise ValueError("sweep: give exactly one of rps or clients")
+        return self
 
 
 # ---- hardware and policies -----------------------------------------------------------
@@ -274,11 +326,16 @@ class Scenario(_Strict):
         names = [c.name for c in self.classes]
         if len(set(names)) != len(names):
             raise ValueError("classes: names must be unique")
+        if self.sweep is not None and self.sweep.clients is not None and self.workload.closed_loop is None:
+            raise ValueError("sweep.clients: needs a workload.closed_loop")
+        if self.sweep is not None and self.sweep.rps is not None and self.workload.closed_loop is not None:
+            raise ValueError("sweep.rps: a closed loop has no rate (sweep clients instead)")
         for i, c in enumerate(self.classes):
-            if self.workload.trace is None:
+            if self.workload.trace is None and self.workload.prompt_set is None:
                 for f in ("prompt_tokens", "output_tokens"):
                     if getattr(c, f) is None:
-                        raise ValueError(f"classes.{i}.{f}: required unless the workload is a trace")
+                        raise ValueError(f"classes.{i}.{f}: required unless the workload is a trace or has a "
+                                         f"prompt_set")
             for d in self.drafters:
                 if d not in c.acceptance:
                     raise ValueError(f"classes.{i}.acceptance: missing drafter {d!r}")
