@@ -27,29 +27,31 @@ TTFT_BOUNDS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.
 TPOT_BOUNDS = [0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0]
 E2E_BOUNDS = [0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0]
 
-# name (as exported, before Ray's ``ray_`` prefix) -> kind; histograms also export
-# ``_bucket``, ``_sum`` and ``_count``
+# name (as exported, before Ray's ``ray_`` prefix) -> (kind, tag keys of ours); Serve adds
+# ``application``, ``deployment`` and ``replica``. Counters export ``_total``, histograms
+# ``_bucket``, ``_sum`` and ``_count``. The alert rules and the dashboard are checked against it.
+_C, _CD = ("request_class",), ("request_class", "drafter")
 METRICS = {
-    "adaptspec_requests": "counter",
-    "adaptspec_refused_requests": "counter",
-    "adaptspec_drafted_tokens": "counter",
-    "adaptspec_accepted_tokens": "counter",
-    "adaptspec_emitted_tokens": "counter",
-    "adaptspec_drafter_faults": "counter",
-    "adaptspec_accepted_length": "histogram",
-    "adaptspec_chosen_k": "histogram",
-    "adaptspec_step_seconds": "histogram",
-    "adaptspec_ttft_seconds": "histogram",
-    "adaptspec_tpot_seconds": "histogram",
-    "adaptspec_e2e_seconds": "histogram",
-    "adaptspec_batch_size": "gauge",
-    "adaptspec_queue_depth": "gauge",
-    "adaptspec_in_flight": "gauge",
-    "adaptspec_kv_cache_usage": "gauge",
-    "adaptspec_kv_slots_used": "gauge",
-    "adaptspec_goodput_tokens_per_second": "gauge",
-    "adaptspec_policy_k": "gauge",
-    "adaptspec_policy_drafter": "gauge",
+    "adaptspec_requests": ("counter", ("request_class", "finish_reason")),
+    "adaptspec_refused_requests": ("counter", ("request_class", "code")),
+    "adaptspec_drafted_tokens": ("counter", _CD),
+    "adaptspec_accepted_tokens": ("counter", _CD),
+    "adaptspec_emitted_tokens": ("counter", _C),
+    "adaptspec_drafter_faults": ("counter", ()),
+    "adaptspec_accepted_length": ("histogram", _CD),
+    "adaptspec_chosen_k": ("histogram", _CD),
+    "adaptspec_step_seconds": ("histogram", ()),
+    "adaptspec_ttft_seconds": ("histogram", _C),
+    "adaptspec_tpot_seconds": ("histogram", _C),
+    "adaptspec_e2e_seconds": ("histogram", _C),
+    "adaptspec_batch_size": ("gauge", ()),
+    "adaptspec_queue_depth": ("gauge", ()),
+    "adaptspec_in_flight": ("gauge", ()),
+    "adaptspec_kv_cache_usage": ("gauge", ()),
+    "adaptspec_kv_slots_used": ("gauge", ()),
+    "adaptspec_goodput_tokens_per_second": ("gauge", ()),
+    "adaptspec_policy_k": ("gauge", _C),
+    "adaptspec_policy_drafter": ("gauge", _CD),
 }
 
 

@@ -80,13 +80,14 @@ def test_deploy_files_are_fresh_and_valid():
     load_config(DEPLOY / "adaptspec.yaml")
 
 
-def test_rayservice_validates_against_the_kuberay_crd():
+@pytest.mark.parametrize("profile", ["cpu-demo", "gpu-8b"])
+def test_rayservice_validates_against_the_kuberay_crd(profile):
     if not CRD.exists():
         pytest.skip("../shared/schemas/kuberay is absent")
     pytest.importorskip("ray.serve")
     jsonschema = pytest.importorskip("jsonschema")
     crd = yaml.safe_load(CRD.read_text())
-    manifest = yaml.safe_load((ROOT / "deploy" / "kuberay" / "rayservice.yaml").read_text())
+    manifest = yaml.safe_load((ROOT / "deploy" / "kuberay" / profile / "rayservice.yaml").read_text())
     version = next(v for v in crd["spec"]["versions"] if v["name"] == manifest["apiVersion"].split("/")[1])
     schema = _strict(version["schema"]["openAPIV3Schema"])
     jsonschema.validate(manifest, schema)
@@ -126,17 +127,18 @@ def test_cli_writes_a_serve_config(tmp_path):
     assert data["grpc_options"]["port"] == 9100
 
 
-def test_every_ray_container_gets_the_request_path_settings():
+@pytest.mark.parametrize("profile", ["cpu-demo", "gpu-8b"])
+def test_every_ray_container_gets_the_request_path_settings(profile):
     """Serve reads them in each Ray process at start-up: the head (proxy, Serve controller) and
     every worker (replicas, their proxies) need them, or the proxy keeps Ray actor calls."""
     pytest.importorskip("ray.serve")
     from adaptspec.serve.app import SERVE_LATENCY_ENV
 
-    manifest = yaml.safe_load((ROOT / "deploy" / "kuberay" / "rayservice.yaml").read_text())
+    manifest = yaml.safe_load((ROOT / "deploy" / "kuberay" / profile / "rayservice.yaml").read_text())
     cluster = manifest["spec"]["rayClusterConfig"]
     groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
     for group in groups:
         for container in group["template"]["spec"]["containers"]:
-            env = {e["name"]: e["value"] for e in container.get("env", [])}
+            env = {e["name"]: e.get("value") for e in container.get("env", [])}  # secrets: valueFrom
             assert env == {**env, **SERVE_LATENCY_ENV}, container["name"]
     assert SERVE_LATENCY_ENV["RAY_SERVE_PROXY_USE_GRPC"] == "1"
