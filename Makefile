@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.adaptspec-installed
 TEST_STAMP := $(VENV)/.adaptspec-test-installed
 
-.PHONY: run test install protos bench clean-venv
+.PHONY: run test install protos bench clean-venv deploy-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,10 @@ test: $(TEST_STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/adaptspec bench
+
+# render the Kubernetes profiles (deploy/profiles) and validate every generated object
+deploy-check: $(TEST_STAMP)
+	$(PY) -m adaptspec.serve.deploy --check
 
 protos: $(TEST_STAMP)  # grpcio-tools comes with the test extra
 	$(PY) -m adaptspec.serve.protogen

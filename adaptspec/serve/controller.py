@@ -201,7 +201,10 @@ class ControlCore:
     # ---- checkpoints ---------------------------------------------------------------------
     def _fingerprint(self) -> tuple:
         """What a checkpoint's policies were built for: restoring them elsewhere would be wrong."""
-        return (CHECKPOINT_FORMAT, self.drafters, self.max_k, self.targets)
+        from adaptspec import __version__
+
+        # the code's version too: policies pickled by other code may not fit this code's classes
+        return (CHECKPOINT_FORMAT, __version__, self.drafters, self.max_k, self.targets)
 
     def state_bytes(self) -> bytes:
         """What the policies learned, the operator's choices and the per-class counters."""
@@ -215,9 +218,11 @@ class ControlCore:
         state = pickle.loads(data)  # noqa: S301 - written by this controller to a store only it writes
         if state.get("fingerprint") != self._fingerprint():
             return False
+        policy = state["policies"][state["policy_name"]]
+        policy.choose_many(list(state["classes"]) or ["default"], Load())  # raises if it does not fit this code
         self._policies = state["policies"]
         self.policy_name = state["policy_name"]
-        self.policy = self._policies[self.policy_name]
+        self.policy = policy
         self.pins = state["pins"]
         self.classes.update(state["classes"])
         self.version = state["version"]
