@@ -22,12 +22,14 @@ def _register_all() -> None:
     from adaptspec.sim.cli import register as register_sim
     from adaptspec.serve.cli import register as register_serve
     from adaptspec.distill.cli import register as register_distill
+    from adaptspec.sim.fidelity_cli import register as register_fidelity
 
     register_models(app)
     register_engine(app)
     register_sim(app)
     register_serve(app)
     register_distill(app)
+    register_fidelity(app)
 
 
 _register_all()

@@ -259,6 +259,15 @@ def loadtest(
     address: str = typer.Option("127.0.0.1:9000", help="gRPC address of the service"),
     app_name: str = typer.Option("adaptspec", "--app"),
     concurrency: str = typer.Option("1,4,16", help="comma-separated concurrency levels"),
+    rate: str = typer.Option("", help="open-loop arrival rates (requests/s, comma-separated), run instead of the "
+                                      "--concurrency levels"),
+    arrival: str = typer.Option("poisson", help="open-loop inter-arrival law: poisson | gamma"),
+    burstiness: float = typer.Option(1.0, help="gamma shape (< 1: burstier), as vllm bench serve's"),
+    think_time: float = typer.Option(0.0, help="closed loop: mean seconds a client pauses between a reply and its "
+                                               "next request"),
+    think: str = typer.Option("fixed", help="think-time law: fixed | exponential"),
+    arrival_seed: int = typer.Option(0, help="seed of the open-loop arrival times and the think times (a scenario "
+                                             "with this seed, rate and law draws the same arrival times)"),
     classes: str = typer.Option("chat,code_edit,extraction", help="comma-separated request classes"),
     duration: float = typer.Option(20.0, help="measured seconds per level and run: tokens that arrive in "
                                              "the window, requests that finish in it"),
@@ -304,9 +313,7 @@ def loadtest(
 
     console = _console()
     spec = LoadSpec([c for c in classes.split(",") if c], max_tokens, slo_ttft, slo_tpot)
-    levels = [int(x) for x in concurrency.split(",") if x]
-    if not levels or any(n < 1 for n in levels):
-        raise ValueError(f"--concurrency: positive integers, got {concurrency!r}")
+    levels = load_levels(concurrency, rate, arrival, burstiness, think_time, think, arrival_seed)
     results = []
     over = probed = bg = None
     if in_process:
@@ -369,7 +376,7 @@ def loadtest(
                 "E2E p50/p99", "arms (top per class)"):
         t.add_column(col)
     for s in results:
-        t.add_row(s.policy, str(s.concurrency), str(s.requests), str(s.errors), f"{s.throughput_tokens_per_s:.1f}",
+        t.add_row(s.policy, s.level, str(s.requests), str(s.errors), f"{s.throughput_tokens_per_s:.1f}",
                   f"{s.goodput_requests_per_s:.2f}", f"{s.ttft_p50_s:.2f}/{s.ttft_p99_s:.2f}",
                   f"{s.tpot_p50_s * 1e3:.0f}/{s.tpot_p99_s * 1e3:.0f} ms", f"{s.e2e_p50_s:.2f}/{s.e2e_p99_s:.2f}",
                   ", ".join(f"{k}:{top_arm(v)}" for k, v in s.arms.items()))
@@ -382,13 +389,44 @@ def loadtest(
         console.print(f"wrote {json_path}")
 
 
+def load_levels(concurrency: str, rate: str, arrival: str = "poisson", burstiness: float = 1.0,
+                think_time: float = 0.0, think: str = "fixed", seed: int = 0) -> list:
+    """The load test's levels from its options: client counts (a plain int when the clients do
+    not think) or, with ``rate``, open-loop ``Arrivals``; ValueError names the option."""
+    from adaptspec.serve.loadtest import Arrivals
+
+    if arrival not in ("poisson", "gamma"):
+        raise ValueError(f"--arrival: poisson or gamma, got {arrival!r}")
+    if think not in ("fixed", "exponential"):
+        raise ValueError(f"--think: fixed or exponential, got {think!r}")
+    if not burstiness > 0 or not think_time >= 0:
+        raise ValueError(f"--burstiness must be > 0 and --think-time >= 0, got {burstiness}, {think_time}")
+    if rate:
+        try:
+            rates = [float(x) for x in rate.split(",") if x]
+        except ValueError:
+            rates = []
+        if not rates or any(not r > 0 for r in rates):
+            raise ValueError(f"--rate: positive requests/s, comma-separated, got {rate!r}")
+        return [Arrivals(rate_rps=r, process=arrival, burstiness=burstiness, seed=seed) for r in rates]
+    try:
+        counts = [int(x) for x in concurrency.split(",") if x]
+    except ValueError:
+        counts = []
+    if not counts or any(n < 1 for n in counts):
+        raise ValueError(f"--concurrency: positive integers, got {concurrency!r}")
+    if not think_time:
+        return counts
+    return [Arrivals(clients=n, think_s=think_time, think=think, seed=seed) for n in counts]
+
+
 def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, switch, run_one) -> list:
     """Per level, ``rounds`` runs of every policy, interleaved (order reversed every other
     round, so drift in the machine's load hits every policy alike; each run has its own
     warm-up); one printed and returned summary per (level, policy). ``current()`` names the
     policy in force, ``switch(policy, reset)`` changes it, ``run_one(concurrency)`` returns
     one run's (records, window)."""
-    from adaptspec.serve.loadtest import summarize, top_arm
+    from adaptspec.serve.loadtest import as_arrivals, summarize, top_arm
 
     results = []
     for n in levels:
@@ -404,7 +442,7 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
         for pol in pols:
             s = summarize(pol, n, recs[pol], windows[pol], spec)
             results.append(s)
-            console.print(f"{pol:>18} c={n:<3} {s.throughput_tokens_per_s:7.1f} tok/s  goodput "
+            console.print(f"{pol:>18} {as_arrivals(n).label:<6} {s.throughput_tokens_per_s:7.1f} tok/s  goodput "
                           f"{s.goodput_requests_per_s:5.2f} req/s  e2e p50 {s.e2e_p50_s:.2f}s  "
                           f"arms {', '.join(f'{k}:{top_arm(v)}' for k, v in s.arms.items())}")
     return results
@@ -440,8 +478,8 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
         t.add_column(col)
     per_decode_s = {key: tok / sec if sec > 0 else 0.0 for key, (tok, sec) in svc.decode.items()}
     for s in results:
-        t.add_row(s.policy, str(s.concurrency), str(s.requests), f"{s.throughput_tokens_per_s:.1f}",
-                  f"{per_decode_s.get((s.policy, s.concurrency), 0.0):.1f}",
+        t.add_row(s.policy, s.level, str(s.requests), f"{s.throughput_tokens_per_s:.1f}",
+                  f"{per_decode_s.get((s.policy, s.level), 0.0):.1f}",
                   f"{s.ttft_p50_s:.2f}/{s.ttft_p99_s:.2f}", f"{s.tpot_p50_s * 1e3:.0f}/{s.tpot_p99_s * 1e3:.0f} ms",
                   ", ".join(f"{k}:{top_arm(v)}" for k, v in s.arms.items()))
     console.print(t)
@@ -449,7 +487,7 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
         console.print(line)
     console.print("tokens per decode-second (the steps' emitted tokens over their time less prefill; the prompt mix "
                   "does not move it):")
-    for line in adaptive_vs_static(results, lambda s: per_decode_s.get((s.policy, s.concurrency), 0.0),
+    for line in adaptive_vs_static(results, lambda s: per_decode_s.get((s.policy, s.level), 0.0),
                                    verdict=False):
         console.print(line + " per decode-second")
     checks = {p: c.table() for p, c in svc.cost_checks.items() if c.rows}
@@ -463,7 +501,7 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
     if json_path:
         data = json.loads(as_json(results))
         for lv in data["levels"]:
-            lv["decode_tokens_per_s"] = per_decode_s.get((lv["policy"], lv["concurrency"]), 0.0)
+            lv["decode_tokens_per_s"] = per_decode_s.get((lv["policy"], lv["level"]), 0.0)
         data["in_process"] = True
         data["cost_check"] = checks
         with open(json_path, "w") as f:
@@ -475,16 +513,17 @@ def adaptive_vs_static(results, value=lambda s: s.throughput_tokens_per_s, verdi
     """Per level, each adaptive policy's ``value`` (throughput) over the best static arm's
     (the goal: >= 0.95, shown when ``verdict``)."""
     out = []
-    for n in sorted({s.concurrency for s in results}):
-        static = [s for s in results if s.concurrency == n and s.policy.startswith("static")]
+    level = lambda s: getattr(s, "level", "") or f"c={s.concurrency}"  # noqa: E731
+    for n in dict.fromkeys(level(s) for s in results):  # levels in the order they ran
+        static = [s for s in results if level(s) == n and s.policy.startswith("static")]
         if not static:
             continue
         best = max(static, key=value)
         for s in results:
-            if s.concurrency == n and not s.policy.startswith("static") and value(best) > 0:
+            if level(s) == n and not s.policy.startswith("static") and value(best) > 0:
                 r = value(s) / value(best)
                 # three decimals and the verdict: 0.945 printed as "0.95" read as met
-                out.append(f"c={n}: {s.policy} / best static ({best.policy}) = {r:.3f}"
+                out.append(f"{n}: {s.policy} / best static ({best.policy}) = {r:.3f}"
                            + (f" ({'>=' if r >= 0.95 else '<'} 0.95)" if verdict else ""))
     return out
 

@@ -16,6 +16,7 @@ than the arms do at 4 clients).
 """
 from __future__ import annotations
 
+import heapq
 import time
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ from adaptspec.control.base import draft_positions
 from adaptspec.control.types import StepOutcome
 from adaptspec.serve.config import ServiceConfig
 from adaptspec.serve.controller import ControlCore, PolicyUpdate
-from adaptspec.serve.loadtest import LoadSpec, RequestRecord, Window, bench_prompts
+from adaptspec.serve.loadtest import Arrivals, LoadSpec, RequestRecord, Window, as_arrivals, bench_prompts, pick_prompt
 from adaptspec.serve.loop import _spec, apply_arms, class_deltas, engine_state
 from adaptspec.serve.types import ReplicaReport
 
@@ -71,7 +72,7 @@ class InProcessService:
         self._steps: list = []
         self.engine.step_listeners.append(self._steps.append)
         self.cost_checks: dict[str, CostCheck] = {}
-        self.decode: dict[tuple[str, int], list[float]] = {}  # (policy, concurrency) -> [tokens, seconds]
+        self.decode: dict[tuple[str, str], list[float]] = {}  # (policy, level label) -> [tokens, seconds]
 
     def policy(self) -> str:
         return self.core.policy_name
@@ -79,16 +80,19 @@ class InProcessService:
     def update_policy(self, name: str, reset: bool = False) -> None:
         self.core.update(PolicyUpdate(policy=name, reset=reset))
 
-    def run_level(self, concurrency: int, duration_s: float, spec: LoadSpec,
+    def run_level(self, concurrency: int | Arrivals, duration_s: float, spec: LoadSpec,
                   warmup_s: float = 0.0) -> tuple[list[RequestRecord], Window]:
         """``concurrency`` requests in flight for ``warmup_s`` + ``duration_s`` (a finished one
-        is replaced at once, as a closed-loop client does); requests still running at the end
-        are aborted and counted as cut."""
+        is replaced at once, as a closed-loop client does), or the ``Arrivals`` given (a
+        client's think time; open-loop arrival times); a request's clock starts when it is
+        due, so one due during a step waits for the step, as it would in a replica. Requests
+        still running at the end are aborted and counted as cut."""
         eng, core = self.engine, self.core
+        arr = as_arrivals(concurrency)
         prompts = bench_prompts()
         interval = self.cfg.controller.report_interval_s
         check = self.cost_checks.setdefault(core.policy_name, CostCheck())
-        tally = self.decode.setdefault((core.policy_name, concurrency), [0.0, 0.0])
+        tally = self.decode.setdefault((core.policy_name, arr.label), [0.0, 0.0])
         records: dict[str, RequestRecord] = {}
         done: list[RequestRecord] = []
         counter = 0
@@ -96,23 +100,29 @@ class InProcessService:
                                 **({} if spec.temperature is None else {"temperature": spec.temperature}))
         snap = core.snapshot()  # as a replica: the arms of its last report, refreshed at the next
 
-        def add() -> None:
+        def add(due: float) -> None:
             nonlocal counter
-            cls = spec.classes[counter % len(spec.classes)]
-            pool = prompts.get(cls) or prompts["chat"]
-            prompt = pool[(counter // len(spec.classes)) % len(pool)]
+            cls, idx, prompt = pick_prompt(prompts, spec.classes, counter)
             counter += 1
-            t0 = time.perf_counter()
             rid = eng.add_request(prompt, params, _spec(snap.arm_for(cls), self.drafters), request_class=cls)
-            records[rid] = RequestRecord(cls, 0.0, 0.0, 0, start_s=t0)
+            records[rid] = RequestRecord(cls, 0.0, 0.0, 0, start_s=due, prompt_index=idx)
 
         t0 = time.perf_counter()
         window = Window(t0 + warmup_s, t0 + warmup_s + duration_s)
-        for _ in range(concurrency):
-            add()
+        # when each next request is due (perf_counter): open loop, all of them; closed loop, one per
+        # client waiting to send
+        due = list(t0 + arr.times(warmup_s + duration_s)) if arr.open else [t0] * arr.clients
+        heapq.heapify(due)
+        think = np.random.default_rng([arr.seed, 2])
         last = time.perf_counter()
         self._steps.clear()
         while time.perf_counter() < window.end_s:
+            now = time.perf_counter()
+            while due and due[0] <= now:
+                add(heapq.heappop(due))
+            if not records:  # nothing in flight: idle until the next request is due
+                time.sleep(max(min(due[0] if due else window.end_s, window.end_s) - now, 0.0))
+                continue
             apply_arms(eng, snap, self.drafters)
             outs = eng.step()
             now = time.perf_counter()
@@ -129,7 +139,8 @@ class InProcessService:
                     rec.e2e_s = now - rec.start_s
                     rec.arms = dict(o.stats.arms) if o.stats is not None else {}
                     done.append(records.pop(o.request_id))
-                    add()
+                    if not arr.open:
+                        heapq.heappush(due, now + arr.pause(think))
             if now - last >= interval:
                 snap = self._report(now - last, check, tally if now in window else None)
                 last = now

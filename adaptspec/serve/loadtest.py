@@ -1,7 +1,9 @@
 """A bounded closed-loop load generator on loopback gRPC, and the overhead probe.
 
-``run_level``: ``concurrency`` client threads, each streaming one request after another,
-with classes taken round-robin, for a warm-up and then a measured window; per request it
+``run_level``: ``concurrency`` client threads, each streaming one request after another
+(after a think time, if ``Arrivals`` gives one), or open-loop arrivals at a rate (Poisson
+or Gamma, drawn as the simulator draws them), with classes taken round-robin, for a
+warm-up and then a measured window; per request it
 records when it was sent, each chunk's arrival and tokens, TTFT (first chunk with tokens),
 TPOT ((E2E - TTFT) / (tokens - 1)), E2E and the arms the controller used. Requests still
 running when the window closes are cancelled (the service aborts them and frees their KV
@@ -45,6 +47,7 @@ class RequestRecord:
     start_s: float = 0.0  # perf_counter when sent
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens) per chunk
     cut: bool = False  # cancelled at the end of the measured window (not an error)
+    prompt_index: int = -1  # which prompt of its class's pool (bench_prompts)
 
     @property
     def tpot_s(self) -> float:
@@ -86,6 +89,9 @@ class LevelSummary:
     e2e_p50_s: float
     e2e_p99_s: float
     arms: dict[str, dict[str, int]]  # class -> arm -> steps
+    rate_rps: float | None = None  # open-loop arrival rate (concurrency is 0 then)
+    think_s: float = 0.0  # closed loop: mean pause between a reply and the client's next request
+    level: str = ""  # the level's label (Arrivals.label)
 
 
 @dataclass(slots=True)
@@ -96,6 +102,70 @@ class LoadSpec:
     slo_tpot_s: float = 0.25
     temperature: float | None = None
     arm: tuple[str, int] | None = None  # fixed arm (speculation override)
+
+
+@dataclass(slots=True, frozen=True)
+class Arrivals:
+    """How a level's requests arrive. Closed loop (``rate_rps`` 0): ``clients`` clients, each
+    sending its next request ``think_s`` after its last one finished (exponential pauses of
+    that mean with ``think="exponential"``). Open loop: requests at ``rate_rps`` whatever the
+    service does, with Poisson or Gamma gaps (shape ``burstiness``, as vllm bench serve),
+    drawn as the simulator's ``arrival_times`` draws them from ``default_rng([seed, 1])``:
+    a scenario with the same rate, law and seed has the same arrival times."""
+
+    clients: int = 0
+    rate_rps: float = 0.0
+    process: str = "poisson"
+    burstiness: float = 1.0
+    think_s: float = 0.0
+    think: str = "fixed"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.clients > 0) == (self.rate_rps > 0):
+            raise ValueError(f"arrivals: give clients (closed loop) or rate_rps (open loop), got {self}")
+        if self.process not in ("poisson", "gamma") or self.think not in ("fixed", "exponential"):
+            raise ValueError(f"arrivals: process is poisson|gamma and think fixed|exponential, got {self}")
+        if self.burstiness <= 0 or self.think_s < 0:
+            raise ValueError(f"arrivals: burstiness > 0 and think_s >= 0, got {self}")
+
+    @property
+    def open(self) -> bool:
+        return self.rate_rps > 0
+
+    @property
+    def label(self) -> str:
+        if self.open:
+            return f"{self.rate_rps:g} rps" + ("" if self.process == "poisson" else f" gamma {self.burstiness:g}")
+        return f"c={self.clients}" + (f" think {self.think_s:g}s" if self.think_s else "")
+
+    def times(self, seconds: float) -> np.ndarray:
+        """Open loop: the arrival offsets (s) within ``seconds``."""
+        from adaptspec.sim.scenario import WorkloadSpec
+        from adaptspec.sim.workload import arrival_times
+
+        wl = WorkloadSpec(rate={"kind": "constant", "rps": self.rate_rps},
+                          arrival={"process": self.process, "burstiness": self.burstiness})
+        return arrival_times(wl, seconds, np.random.default_rng([self.seed, 1]))
+
+    def pause(self, rng: np.random.Generator) -> float:
+        if self.think_s <= 0:
+            return 0.0
+        return float(rng.exponential(self.think_s)) if self.think == "exponential" else self.think_s
+
+
+def as_arrivals(level: "int | Arrivals") -> Arrivals:
+    """A level: a client count (a closed loop without think time) or ``Arrivals``."""
+    return level if isinstance(level, Arrivals) else Arrivals(clients=int(level))
+
+
+def pick_prompt(prompts: dict[str, list[str]], classes: list[str], n: int) -> tuple[str, int, str]:
+    """The ``n``-th request overall: (class, prompt index, prompt); classes in turn, each
+    class's prompts in turn (the simulator's ``round_robin`` prompt-set order)."""
+    cls = classes[n % len(classes)]
+    pool = prompts.get(cls) or prompts["chat"]
+    i = (n // len(classes)) % len(pool)
+    return cls, i, pool[i]
 
 
 def one_request(client: Client, prompt: str, cls: str, spec: LoadSpec, timeout: float = 300,
@@ -125,31 +195,44 @@ def one_request(client: Client, prompt: str, cls: str, spec: LoadSpec, timeout: 
     return RequestRecord(cls, ttft, time.perf_counter() - t0, tokens, arms, start_s=t0, chunks=chunks)
 
 
-def run_level(client: Client, concurrency: int, duration_s: float, spec: LoadSpec,
+def run_level(client: Client, concurrency: "int | Arrivals", duration_s: float, spec: LoadSpec,
               on_record=None, warmup_s: float = 0.0) -> tuple[list[RequestRecord], Window]:
-    """Closed-loop load for ``warmup_s`` + ``duration_s``; returns every record and the
-    measured window (the last ``duration_s``)."""
+    """Load for ``warmup_s`` + ``duration_s``: a closed loop of ``concurrency`` clients, or
+    the ``Arrivals`` given; returns every record and the measured window (the last
+    ``duration_s``)."""
+    arr = as_arrivals(concurrency)
     prompts = bench_prompts()
     t0 = time.perf_counter()
     window = Window(t0 + warmup_s, t0 + warmup_s + duration_s)
     records: list[RequestRecord] = []
     lock = threading.Lock()
 
+    def send(i: int) -> RequestRecord:
+        cls, idx, prompt = pick_prompt(prompts, spec.classes, i)
+        rec = one_request(client, prompt, cls, spec, stop_at=window.end_s)
+        rec.prompt_index = idx
+        with lock:
+            records.append(rec)
+        if on_record is not None:
+            on_record(rec)
+        return rec
+
+    if arr.open:
+        return _run_open(arr, send, t0, window), window
+
     def worker(w: int) -> None:
         i = w
+        rng = np.random.default_rng([arr.seed, 2, w])
         while time.perf_counter() < window.end_s:
-            cls = spec.classes[i % len(spec.classes)]
-            pool = prompts.get(cls) or prompts["chat"]
-            rec = one_request(client, pool[(i // len(spec.classes)) % len(pool)], cls, spec, stop_at=window.end_s)
-            with lock:
-                records.append(rec)
-            if on_record is not None:
-                on_record(rec)
-            i += concurrency
+            rec = send(i)
+            i += arr.clients
             if rec.error == "StatusCode.RESOURCE_EXHAUSTED":
                 time.sleep(0.05)
+            pause = arr.pause(rng)
+            if pause:
+                time.sleep(max(min(pause, window.end_s - time.perf_counter()), 0.0))
 
-    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(concurrency)]
+    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(arr.clients)]
     for t in threads:
         t.start()
     for t in threads:
@@ -157,7 +240,23 @@ def run_level(client: Client, concurrency: int, duration_s: float, spec: LoadSpe
     return records, window
 
 
-def summarize(policy: str, concurrency: int, records: list[RequestRecord], windows: Window | list[Window],
+def _run_open(arr: Arrivals, send, t0: float, window: Window, max_in_flight: int = 512) -> list[RequestRecord]:
+    """Send request ``i`` at ``t0 + arr.times(...)[i]`` from a pool of threads (a request the
+    pool cannot start at once starts late, and its TTFT counts from then: keep the rate below
+    what ``max_in_flight`` streams can carry)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="loadtest") as pool:
+        futures = []
+        for i, at in enumerate(arr.times(window.end_s - t0)):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            futures.append(pool.submit(send, i))
+        return [f.result() for f in futures]
+
+
+def summarize(policy: str, concurrency: "int | Arrivals", records: list[RequestRecord], windows: Window | list[Window],
               spec: LoadSpec) -> LevelSummary:
     """What happened inside the measured window(s) (runs' windows do not overlap)."""
     windows = [windows] if isinstance(windows, Window) else list(windows)
@@ -178,8 +277,10 @@ def summarize(policy: str, concurrency: int, records: list[RequestRecord], windo
         for a, n in r.arms.items():
             per[a] = per.get(a, 0) + n
     rate = (lambda x: x / seconds) if seconds > 0 else (lambda x: 0.0)  # noqa: E731
-    return LevelSummary(policy, concurrency, len(ok), len(done) - len(ok), seconds, rate(tokens), rate(good),
-                        pct(ttft, 50), pct(ttft, 99), pct(tpot, 50), pct(tpot, 99), pct(e2e, 50), pct(e2e, 99), arms)
+    arr = as_arrivals(concurrency)
+    return LevelSummary(policy, arr.clients, len(ok), len(done) - len(ok), seconds, rate(tokens), rate(good),
+                        pct(ttft, 50), pct(ttft, 99), pct(tpot, 50), pct(tpot, 99), pct(e2e, 50), pct(e2e, 99), arms,
+                        arr.rate_rps or None, arr.think_s, arr.label)
 
 
 def top_arm(per: dict[str, int]) -> str:

@@ -1,20 +1,27 @@
 """Acceptance recorded from the live engine, replayed by the simulator.
 
 Recording: ``AcceptanceRecorder.observe_step`` takes the engine's per-step stats (an engine
-``StepStats``: listen with ``Engine.step_listeners``) and counts, per request class and
-drafter, how many drafted tokens each request-step kept, by the ``k`` it asked for (a
-histogram over 0..k). A step whose n-gram lookup found fewer candidates than asked counts
-as proposed and rejected past what it found: the simulator drafts ``k`` and needs the
-acceptance of asking for ``k``. When the engine reports the drafter's confidence in each
-drafted token (``RequestStepStats.draft_confidence``, a probability per drafted position),
-the recorder also counts tried and accepted tokens per confidence bin, for a model of
-acceptance given confidence.
+``StepStats``: listen with ``Engine.step_listeners``) and counts, per request class,
+drafter and the ``k`` asked for, request-steps by (candidates proposed m, of them accepted
+j): a ``[k + 1, k + 1]`` matrix ``H[m, j]``, the form ``GroupOutcome.drafted_accepted``
+has. n-gram lookup proposes fewer than ``k`` when its match runs out (often none at all);
+a draft model proposes ``k`` unless a confidence threshold stops it. When the engine
+reports the drafter's confidence in each drafted token (``draft_confidence``), the
+recorder also counts, per confidence bin, tokens seen per position (drafting without a
+threshold only) and verified tokens accepted and rejected (up to the first rejection),
+as ``control.types.ConfidenceCounts`` does.
 
-Replay: ``RecordedAcceptance`` samples accepted counts from the histogram recorded at the
-``k`` asked for when it holds enough request-steps (it keeps what a per-position model
-loses: n-gram's all-or-nothing misses, runs of easy tokens), else from the conditional
-acceptance per position pooled over every recorded ``k`` (a position ``j`` was tried by a
-request-step that drafted it after accepting the ``j - 1`` before it).
+Replay: ``RecordedAcceptance`` has two views of the same recording.
+
+- ``sample(k, n, rng)``: accepted tokens when asking for ``k`` (a candidate never proposed
+  counts as rejected): what a simulator that always verifies ``k`` candidates needs.
+  From the histogram recorded at that ``k`` when it holds ``min_steps`` request-steps,
+  else from the conditional acceptance per position pooled over every recorded ``k``.
+- ``sample_proposed(k, n, rng)``: (proposed, accepted) pairs: resampled from ``H`` at
+  that ``k``, else drawn position by position from the pooled chance that a candidate is
+  there (given the ones before it were) and the pooled acceptance of a proposed candidate
+  (given the ones before it were accepted; a request that proposed m and kept all m is
+  censored at m + 1, never counted as a rejection there).
 """
 from __future__ import annotations
 
@@ -25,25 +32,26 @@ from pathlib import Path
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-CONFIDENCE_EDGES = tuple(round(0.1 * i, 1) for i in range(11))
+CONF_BINS = 10  # equal bins of [0, 1], as control.types
 
 
-class ConfidenceCounts(BaseModel):
+class ConfidenceRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    edges: list[float] = Field(description="bin edges of the drafter's probability of its token")
-    tried: list[int] = Field(description="drafted tokens the verifier reached, per bin")
-    accepted: list[int] = Field(description="of those, accepted, per bin")
+    seen: list[list[int]] = Field(description="[position][bin] drafted tokens by confidence (no threshold)")
+    accepted: list[int] = Field(description="[bin] verified tokens accepted")
+    rejected: list[int] = Field(description="[bin] verified tokens rejected (the first rejection of a step)")
 
 
 class DrafterRecord(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    by_k: dict[int, list[int]] = Field(description="k asked for -> request-steps by accepted count 0..k")
-    drafted: dict[int, int] = Field(default_factory=dict, description="k -> drafted tokens in all (n-gram may "
-                                                                      "propose fewer than k)")
-    confidence: ConfidenceCounts | None = Field(None, description="acceptance by draft confidence, when the "
-                                                                  "engine reports it")
+    joint: dict[int, list[list[int]]] = Field(description="k asked for -> H[m][j]: request-steps that proposed m "
+                                                          "candidates and kept j of them")
+    confidence: ConfidenceRecord | None = Field(None, description="by draft confidence, when the engine reports it")
+
+    def accepted_hist(self, k: int) -> np.ndarray:
+        return np.asarray(self.joint[k], dtype=np.int64).sum(axis=0)
 
 
 class AcceptanceFile(BaseModel):
@@ -51,7 +59,7 @@ class AcceptanceFile(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    version: int = Field(1, description="format version")
+    version: int = Field(2, description="format version")
     source: str = Field("", description="what was recorded (models, machine, date)")
     classes: dict[str, dict[str, DrafterRecord]] = Field(description="request class -> drafter -> counts")
 
@@ -68,115 +76,184 @@ class AcceptanceFile(BaseModel):
 
 @dataclass(slots=True)
 class _Counts:
-    by_k: dict[int, np.ndarray] = field(default_factory=dict)
-    drafted: dict[int, int] = field(default_factory=dict)
-    conf_tried: np.ndarray = field(default_factory=lambda: np.zeros(len(CONFIDENCE_EDGES) - 1, dtype=np.int64))
-    conf_accepted: np.ndarray = field(default_factory=lambda: np.zeros(len(CONFIDENCE_EDGES) - 1, dtype=np.int64))
-    has_confidence: bool = False
+    joint: dict[int, np.ndarray] = field(default_factory=dict)
+    seen: np.ndarray | None = None  # [positions, bins]
+    accepted: np.ndarray = field(default_factory=lambda: np.zeros(CONF_BINS, dtype=np.int64))
+    rejected: np.ndarray = field(default_factory=lambda: np.zeros(CONF_BINS, dtype=np.int64))
+
+
+def _bins(c) -> np.ndarray:
+    return np.minimum((np.clip(np.asarray(c, dtype=float), 0.0, 1.0) * CONF_BINS).astype(np.int64), CONF_BINS - 1)
 
 
 class AcceptanceRecorder:
-    """Counts accepted drafted tokens per (class, drafter, k) from engine step stats."""
+    """Counts (proposed, accepted) per (class, drafter, k) from engine step stats."""
 
     def __init__(self) -> None:
         self._counts: dict[tuple[str, str], _Counts] = {}
         self.steps = 0
 
     def observe_step(self, step) -> None:
-        """``step``: an engine ``StepStats`` (its ``requests`` carry class, drafter, k, drafted, accepted)."""
+        """``step``: an engine ``StepStats`` (its ``requests`` carry class, drafter, k, drafted,
+        accepted and, when the drafter gives them, ``draft_confidence``)."""
         self.steps += 1
         for r in step.requests:
             if r.drafter == "none" or r.k <= 0:
                 continue
             self.observe(r.request_class, r.drafter, r.k, r.drafted, r.accepted,
-                         getattr(r, "draft_confidence", None))
+                         getattr(r, "draft_confidence", None) or None,
+                         float(getattr(r, "min_confidence", 0.0) or 0.0))
 
     def observe(self, request_class: str, drafter: str, k: int, drafted: int, accepted: int,
-                confidence=None) -> None:
+                confidence=None, threshold: float = 0.0) -> None:
         c = self._counts.setdefault((request_class, drafter), _Counts())
-        hist = c.by_k.get(k)
-        if hist is None:
-            hist = c.by_k[k] = np.zeros(k + 1, dtype=np.int64)
-        hist[min(max(accepted, 0), k)] += 1
-        c.drafted[k] = c.drafted.get(k, 0) + drafted
-        if confidence is not None and len(confidence):
-            c.has_confidence = True
-            conf = np.clip(np.asarray(confidence, dtype=float)[: max(drafted, 0)], 0.0, 1.0)
-            tried = conf[: accepted + 1]  # the verifier reached these: all accepted and the first rejected one
-            bins = np.minimum(np.searchsorted(CONFIDENCE_EDGES, tried, side="right") - 1, len(CONFIDENCE_EDGES) - 2)
-            np.add.at(c.conf_tried, bins, 1)
-            np.add.at(c.conf_accepted, bins[: accepted], 1)
+        h = c.joint.get(k)
+        if h is None:
+            h = c.joint[k] = np.zeros((k + 1, k + 1), dtype=np.int64)
+        m = min(max(drafted, 0), k)
+        h[m, min(max(accepted, 0), m)] += 1
+        if confidence is not None and m > 0:
+            b = _bins(list(confidence)[:m])
+            if threshold <= 0:
+                if c.seen is None or c.seen.shape[0] < b.size:
+                    grown = np.zeros((max(b.size, 0 if c.seen is None else c.seen.shape[0]), CONF_BINS), dtype=np.int64)
+                    if c.seen is not None:
+                        grown[: c.seen.shape[0]] = c.seen
+                    c.seen = grown
+                c.seen[np.arange(b.size), b] += 1
+            j = min(accepted, b.size)
+            np.add.at(c.accepted, b[:j], 1)
+            if j < b.size:
+                c.rejected[b[j]] += 1
 
     def to_file(self, source: str = "") -> AcceptanceFile:
         classes: dict[str, dict[str, DrafterRecord]] = {}
         for (cls, drafter), c in sorted(self._counts.items()):
             conf = None
-            if c.has_confidence:
-                conf = ConfidenceCounts(edges=list(CONFIDENCE_EDGES), tried=c.conf_tried.tolist(),
-                                        accepted=c.conf_accepted.tolist())
+            if c.seen is not None or c.accepted.any() or c.rejected.any():
+                conf = ConfidenceRecord(seen=[] if c.seen is None else c.seen.tolist(), accepted=c.accepted.tolist(),
+                                        rejected=c.rejected.tolist())
             classes.setdefault(cls, {})[drafter] = DrafterRecord(
-                by_k={k: h.tolist() for k, h in sorted(c.by_k.items())}, drafted=dict(sorted(c.drafted.items())),
-                confidence=conf)
+                joint={k: h.tolist() for k, h in sorted(c.joint.items())}, confidence=conf)
         return AcceptanceFile(source=source, classes=classes)
 
 
 def pooled_positions(by_k: dict[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """(tried, accepted) per position 1..max k, over every recorded k: position j was tried by
-    a request-step that asked for k >= j and accepted the j - 1 before it."""
+    """(tried, accepted) per position 1..max k of asking for k, over every recorded k: position
+    j was tried by a request-step that asked for k >= j and accepted the j - 1 before it
+    (proposed or not: a candidate never proposed is not accepted)."""
     K = max(by_k, default=0)
     tried, acc = np.zeros(K), np.zeros(K)
     for k, hist in by_k.items():
-        hist = np.asarray(hist, dtype=float)
-        tail = np.cumsum(hist[::-1])[::-1]  # tail[a] = request-steps with accepted >= a
+        tail = np.cumsum(np.asarray(hist, dtype=float)[::-1])[::-1]  # tail[a]: accepted >= a
         tried[:k] += tail[:k]
         acc[:k] += tail[1: k + 1]
     return tried, acc
 
 
+def pooled_proposals(joint: dict[int, np.ndarray]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Per position p = 1..max k, over every recorded k: (asked, there) - request-steps that
+    asked for k >= p and proposed p - 1 or more, and of them those that proposed p or more;
+    (tried, kept) - request-steps that proposed p or more and kept the p - 1 before it, and of
+    them those that kept p (censored: one that proposed m < p says nothing of position p)."""
+    K = max(joint, default=0)
+    asked, there, tried, kept = (np.zeros(K) for _ in range(4))
+    for k, h in joint.items():
+        h = np.asarray(h, dtype=float)
+        proposed_ge = np.cumsum(h.sum(axis=1)[::-1])[::-1]  # [k + 1]: proposed >= m
+        asked[:k] += proposed_ge[:k]
+        there[:k] += proposed_ge[1: k + 1]
+        for p in range(1, k + 1):
+            rows = h[p:]  # proposed >= p
+            tried[p - 1] += rows[:, p - 1:].sum()
+            kept[p - 1] += rows[:, p:].sum()
+    return asked, there, tried, kept
+
+
+def _ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:
+    """num / den per position, cut after the deepest position with data (that one repeats)."""
+    known = den > 0
+    p = np.divide(num, den, out=np.zeros_like(den, dtype=float), where=known)
+    return p[: int(np.flatnonzero(known)[-1]) + 1] if known.any() else np.zeros(1)
+
+
+def _extend(p: np.ndarray, K: int) -> np.ndarray:
+    return p[:K] if p.size >= K else np.concatenate([p, np.full(K - p.size, p[-1])])
+
+
 @dataclass(slots=True)
 class RecordedAcceptance:
-    """Replays a recording: the histogram at the asked ``k`` when it has ``min_steps``
-    request-steps, else the pooled conditional acceptance per position (the last position
-    with data repeats)."""
+    """Replays a recording (see the module's docstring): ``joint[k] = H[m, j]``."""
 
-    by_k: dict[int, np.ndarray]
+    joint: dict[int, np.ndarray]
     min_steps: int = 30
-    _probs: np.ndarray = field(init=False)
+    _ask: np.ndarray = field(init=False)  # conditional acceptance per position of asking
+    _there: np.ndarray = field(init=False)  # chance a candidate is proposed at p, given p - 1 were
+    _keep: np.ndarray = field(init=False)  # acceptance of a proposed candidate at p, given p - 1 kept
 
     def __post_init__(self) -> None:
-        self.by_k = {int(k): np.asarray(h, dtype=np.int64) for k, h in self.by_k.items() if np.sum(h) > 0}
-        for k, h in self.by_k.items():
-            if k < 1 or h.size != k + 1 or np.any(h < 0):
-                raise ValueError(f"by_k[{k}]: needs k + 1 non-negative counts (accepted 0..k), got {h.tolist()}")
-        tried, acc = pooled_positions(self.by_k)
-        known = tried > 0
-        p = np.divide(acc, tried, out=np.zeros_like(tried), where=known)
-        # positions past the deepest one with data repeat it
-        if known.any():
-            last = int(np.flatnonzero(known)[-1])
-            p = p[: last + 1]
-        else:
-            p = np.zeros(1)
-        self._probs = p
+        joint = {}
+        for k, h in self.joint.items():
+            h = np.asarray(h, dtype=np.int64)
+            if int(k) < 1 or h.shape != (int(k) + 1, int(k) + 1) or np.any(h < 0) or np.any(np.triu(h, 1)):
+                raise ValueError(f"joint[{k}]: needs a [k + 1, k + 1] count matrix H[proposed, kept] with kept <= "
+                                 f"proposed, got {h.tolist()}")
+            if h.sum() > 0:
+                joint[int(k)] = h
+        self.joint = joint
+        tried, acc = pooled_positions({k: h.sum(axis=0) for k, h in joint.items()})
+        self._ask = _ratio(acc, tried)
+        asked, there, tried_p, kept = pooled_proposals(joint)
+        self._there, self._keep = _ratio(there, asked), _ratio(kept, tried_p)
 
     @classmethod
     def from_record(cls, rec: DrafterRecord, min_steps: int = 30) -> "RecordedAcceptance":
-        return cls({k: np.array(v) for k, v in rec.by_k.items()}, min_steps)
+        return cls({k: np.array(v) for k, v in rec.joint.items()}, min_steps)
 
     @property
     def steps(self) -> int:
-        return int(sum(h.sum() for h in self.by_k.values()))
+        return int(sum(h.sum() for h in self.joint.values()))
+
+    def _enough(self, k: int) -> np.ndarray | None:
+        h = self.joint.get(k)
+        return h if h is not None and h.sum() >= self.min_steps else None
 
     def position_probs(self, K: int) -> np.ndarray:
-        p = self._probs
-        return p[:K] if p.size >= K else np.concatenate([p, np.full(K - p.size, p[-1])])
+        """Conditional acceptance per position of asking for K candidates."""
+        return _extend(self._ask, K)
+
+    def proposal_probs(self, K: int) -> tuple[np.ndarray, np.ndarray]:
+        """(chance a candidate is there, acceptance of a proposed one) per position."""
+        return _extend(self._there, K), _extend(self._keep, K)
 
     def sample(self, k: int, n: int, rng: np.random.Generator) -> np.ndarray:
-        hist = self.by_k.get(k)
-        if hist is not None and hist.sum() >= self.min_steps:
+        h = self._enough(k)
+        if h is not None:
+            hist = h.sum(axis=0)
             return rng.choice(k + 1, size=n, p=hist / hist.sum())
         ok = rng.random((n, k)) < self.position_probs(k)
         return np.cumprod(ok, axis=1).sum(axis=1)
+
+    def sample_proposed(self, k: int, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """[n] candidates proposed and [n] of them accepted, asking for ``k``."""
+        h = self._enough(k)
+        if h is not None:
+            flat = rng.choice(h.size, size=n, p=(h / h.sum()).ravel())
+            return flat // (k + 1), flat % (k + 1)
+        there, keep = self.proposal_probs(k)
+        proposed = np.cumprod(rng.random((n, k)) < there, axis=1).sum(axis=1)
+        accepted = np.cumprod(rng.random((n, k)) < keep, axis=1).sum(axis=1)
+        return proposed, np.minimum(accepted, proposed)
+
+
+def confidence_calibration(rec: DrafterRecord) -> np.ndarray | None:
+    """Accepted share of verified tokens per confidence bin (nan where none was verified): the
+    ``g`` a ``ConfidenceAcceptance`` takes as ``calibration``; None without confidences."""
+    c = rec.confidence
+    if c is None:
+        return None
+    a, r = np.asarray(c.accepted, dtype=float), np.asarray(c.rejected, dtype=float)
+    return np.divide(a, a + r, out=np.full(a.size, np.nan), where=(a + r) > 0)
 
 
 def recorded_model(spec, base: Path, where: str, request_class: str | None, drafter: str | None) -> RecordedAcceptance:

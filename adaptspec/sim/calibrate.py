@@ -71,7 +71,11 @@ def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_c
 
 def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: str, repeats: int,
               batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), ks: tuple[int, ...] = (1, 2, 4, 8),
-              prompt_tokens: int = 128, context_term: bool = True) -> Path:
+              prompt_tokens: int = 128, context_term: bool = True, prefill: bool = False) -> Path:
+    """``prefill``: also keep each point's admission step (its prompts' prefill and whatever
+    the engine runs with it) as a sample at its prefill + verify tokens, so the profile's
+    token table reaches prompt-sized passes (the simulator prices a step's prompt chunks on
+    the same table) instead of extrapolating the decode steps' slope."""
     try:
         from adaptspec import Engine, SamplingParams, SpecConfig
     except Exception as e:  # pragma: no cover - depends on the install
@@ -90,12 +94,17 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
         ids = []
         for _ in range(b):
             # a repeated random phrase, so n-gram lookup finds candidates as in real text
-            phrase = rng.integers(100, vocab - 100, 16).tolist()
+            # away from the vocabulary's ends (special tokens), unless it is a tiny test vocabulary
+            phrase = (rng.integers(100, vocab - 100, 16) if vocab > 400 else rng.integers(0, vocab, 16)).tolist()
             prompt = (phrase * (prompt_tokens // 16 + 1))[:prompt_tokens]
             ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=(k + 1) * (steps + 2) + 2,
                                                                  ignore_eos=True),
                                           SpecConfig(drafter, k), raw=True))
         engine.step()  # admission and prefill
+        st = engine.last_step
+        if prefill and st is not None and st.prefill_tokens:
+            samples.append(StepSample(b, "prefill", 0, st.prefill_tokens + st.verify_tokens, st.context_tokens,
+                                      st.prefill_s + st.verify_s, st.draft_s, st.other_s))
         for _ in range(steps):
             engine.step()
             st = engine.last_step

@@ -13,6 +13,7 @@ same sequence).
 """
 from __future__ import annotations
 
+import copy
 import csv
 import time
 from dataclasses import dataclass
@@ -26,6 +27,9 @@ from adaptspec.sim.replica import Recorder, Replica
 from adaptspec.sim.scenario import ClassSpec, PromptSetSpec, Scenario, ThinkTimeSpec, WorkloadSpec
 from adaptspec.sim.simulator import RunOutput, RunSetup
 from adaptspec.sim.workload import Requests, arrival_times, sample_lengths
+
+
+REFUSED_BACKOFF_S = 0.05  # adaptspec loadtest's pause after a RESOURCE_EXHAUSTED
 
 
 @dataclass(slots=True)
@@ -141,6 +145,20 @@ def _grow(req: Requests, rec: Recorder, size: int) -> None:
     req.prompt_tokens, req.output_tokens, req.class_idx = (pad(a, 1) for a in
                                                            (req.prompt_tokens, req.output_tokens, req.class_idx))
     rec.first_token_s, rec.finish_s = pad(rec.first_token_s, np.nan), pad(rec.finish_s, np.nan)
+    if hasattr(rec, "refused"):
+        rec.refused = pad(rec.refused, False)
+
+
+def _replicas(setup: RunSetup, policy: Policy, req: Requests, rec: Recorder) -> list[Replica]:
+    """The run's replicas, as ``simulate`` makes them (with the deployment's drafters and
+    admission control where this version of the setup has them)."""
+    kw = {}
+    if hasattr(setup, "drafters"):
+        kw["drafters"] = setup.drafters
+    if getattr(setup, "admission", None) is not None:
+        kw["admission"] = copy.deepcopy(setup.admission)
+    return [Replica(setup.cost, policy, setup.classes, req, rec, np.random.default_rng([setup.seed, i]), setup.max_k,
+                    **kw) for i in range(setup.replicas)]
 
 
 def simulate_closed_loop(setup: RunSetup, policy: Policy, clients: int, think: ThinkTimeSpec, source: RequestSource,
@@ -157,8 +175,7 @@ def simulate_closed_loop(setup: RunSetup, policy: Policy, clients: int, think: T
     req = Requests(np.full(cap, np.inf), np.ones(cap, dtype=np.int64), np.ones(cap, dtype=np.int64),
                    np.zeros(cap, dtype=np.int64))
     rec = Recorder(cap, len(setup.classes), policy.table.arms, setup.bin_s, num_bins)
-    replicas = [Replica(setup.cost, policy, setup.classes, req, rec, np.random.default_rng([setup.seed, i]),
-                        setup.max_k) for i in range(setup.replicas)]
+    replicas = _replicas(setup, policy, req, rec)
     shifts = sorted({c.shift_at_s for c in setup.classes if c.shift_at_s is not None})
     next_send = np.zeros(clients)  # when each client sends its next request (inf: waiting for one, or done)
     in_flight: dict[int, int] = {}  # request -> client
@@ -187,7 +204,11 @@ def simulate_closed_loop(setup: RunSetup, policy: Policy, clients: int, think: T
             else:
                 target = min(replicas, key=lambda x: x.load)
             target.enqueue(n, ta)
-            in_flight[n] = c
+            if getattr(rec, "refused", None) is not None and rec.refused[n]:
+                # refused at once (admission control): the client backs off as the load test does
+                next_send[c] = ta + REFUSED_BACKOFF_S + think_times(think, 1, think_rng)[0]
+            else:
+                in_flight[n] = c
             n += 1
             continue
         now = tr
@@ -208,6 +229,8 @@ def simulate_closed_loop(setup: RunSetup, policy: Policy, clients: int, think: T
     req.arrival_s, req.prompt_tokens, req.output_tokens, req.class_idx = (
         a[:n] for a in (req.arrival_s, req.prompt_tokens, req.output_tokens, req.class_idx))
     rec.first_token_s, rec.finish_s = rec.first_token_s[:n], rec.finish_s[:n]
+    if hasattr(rec, "refused"):
+        rec.refused = rec.refused[:n]
     rec.num_requests = n
     return RunOutput(rec, now, steps, time.perf_counter() - t_wall), req
 

@@ -1,0 +1,374 @@
+"""Simulator fidelity: the same workload live and simulated, compared per class and level.
+
+Torch-free: this module holds the comparison (per-request rows from either side, the
+metrics of a (policy, level, class) cell, relative errors, the goals), the report (table
+rows, JSON, a plot) and the simulated side of a level; ``fidelity_run`` measures the live
+side and drives the command.
+
+Both sides are measured the same way, inside the same measured window: tokens that
+arrived in it per second (throughput; a simulated request's tokens are spread evenly from
+its first token to its last, the live ones arrive in recorded chunks), and TTFT and TPOT
+percentiles over requests that finished in it (TPOT of requests with more than one token).
+The arms are request-steps per arm of the class: the live requests that finished in the
+window, the simulated steps that ended in it.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+METRICS = ("throughput", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")
+# the goals of issue #29: |relative error| within these bounds in every cell
+BOUNDS = {"throughput": 0.10, "tpot_p50": 0.10, "ttft_p50": 0.20}
+TOP_ARM_AGREEMENT = 0.80
+ALL = "all"  # the class column of a level's aggregate over its classes
+
+
+# ---- one side, one cell ----------------------------------------------------------------------
+@dataclass(slots=True)
+class Row:
+    """One request, live or simulated; times in seconds on one clock per run."""
+
+    request_class: str
+    start_s: float
+    first_token_s: float = math.nan  # nan: no token yet
+    end_s: float = math.nan  # nan: not finished (cut at the window's end, or past the drain)
+    tokens: int = 0
+    cut: bool = False
+    error: bool = False
+    chunks: list[tuple[float, int]] | None = None  # (time, tokens) as they arrived, when known
+    prompt_index: int = -1
+    arms: dict[str, int] = field(default_factory=dict)  # live: request-steps per arm ("drafter:k")
+
+
+@dataclass(slots=True)
+class Run:
+    """The requests of one run and its measured window."""
+
+    rows: list[Row]
+    window: tuple[float, float]
+
+    @property
+    def seconds(self) -> float:
+        return self.window[1] - self.window[0]
+
+
+def tokens_in_window(r: Row, w0: float, w1: float) -> int:
+    if r.chunks is not None:
+        return sum(n for t, n in r.chunks if w0 <= t <= w1)
+    if r.tokens <= 0 or math.isnan(r.first_token_s):
+        return 0
+    first = int(w0 <= r.first_token_s <= w1)
+    if r.tokens == 1 or math.isnan(r.end_s):
+        return first
+    # the other tokens evenly over (first token, last token]
+    t = r.first_token_s + (r.end_s - r.first_token_s) * np.arange(1, r.tokens) / (r.tokens - 1)
+    return first + int(np.count_nonzero((t >= w0) & (t <= w1)))
+
+
+@dataclass(slots=True)
+class SideMetrics:
+    requests: int  # finished inside the window(s)
+    throughput: float  # tokens arriving inside the window(s) per second
+    ttft_p50: float
+    ttft_p99: float
+    tpot_p50: float
+    tpot_p99: float
+    arms: dict[str, float] = field(default_factory=dict)  # arm -> share of request-steps
+    top_arm: str = "-"
+
+    def value(self, metric: str) -> float:
+        return getattr(self, metric)
+
+
+def side_metrics(runs: Iterable[Run], request_class: str | None,
+                 arm_steps: dict[str, float] | None = None) -> SideMetrics:
+    """A cell's metrics over ``runs`` (pooled; their windows add up); ``request_class`` None:
+    every class. ``arm_steps`` None: the arms of the requests that finished in the window."""
+    runs = list(runs)
+    seconds = sum(r.seconds for r in runs)
+    tokens = 0
+    ttft: list[float] = []
+    tpot: list[float] = []
+    done = 0
+    row_arms: dict[str, float] = {}
+    for run in runs:
+        w0, w1 = run.window
+        for r in run.rows:
+            if request_class is not None and r.request_class != request_class:
+                continue
+            tokens += tokens_in_window(r, w0, w1)
+            if r.cut or r.error or r.tokens <= 0 or math.isnan(r.end_s) or not w0 <= r.end_s <= w1:
+                continue
+            done += 1
+            for a, n in r.arms.items():
+                row_arms[a] = row_arms.get(a, 0) + n
+            ttft.append(r.first_token_s - r.start_s)
+            if r.tokens > 1:
+                tpot.append((r.end_s - r.first_token_s) / (r.tokens - 1))
+
+    def pct(xs: list[float], q: float) -> float:
+        return float(np.percentile(xs, q)) if xs else math.nan
+
+    arms = dict(row_arms if arm_steps is None else arm_steps)
+    total = sum(arms.values())
+    share = {a: n / total for a, n in sorted(arms.items(), key=lambda kv: -kv[1])} if total > 0 else {}
+    return SideMetrics(done, tokens / seconds if seconds > 0 else math.nan, pct(ttft, 50), pct(ttft, 99),
+                       pct(tpot, 50), pct(tpot, 99), share, next(iter(share), "-"))
+
+
+# ---- live against simulated ------------------------------------------------------------------
+def rel_error(sim: float, live: float) -> float:
+    """(sim - live) / live; nan when either is missing or live is 0."""
+    if sim is None or live is None or math.isnan(sim) or math.isnan(live) or live == 0:
+        return math.nan
+    return (sim - live) / abs(live)
+
+
+@dataclass(slots=True)
+class Cell:
+    path: str  # "in-process" or "grpc": which live path
+    policy: str
+    level: str
+    request_class: str  # a class, or ALL
+    adaptive: bool
+    live: SideMetrics
+    sim: SideMetrics
+    errors: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def same_top_arm(self) -> bool:
+        return self.live.top_arm == self.sim.top_arm
+
+
+def make_cell(path: str, policy: str, level: str, request_class: str, adaptive: bool, live: SideMetrics,
+              sim: SideMetrics) -> Cell:
+    return Cell(path, policy, level, request_class, adaptive, live, sim,
+                {m: rel_error(sim.value(m), live.value(m)) for m in METRICS})
+
+
+@dataclass(slots=True)
+class Goal:
+    name: str
+    met: bool
+    detail: str
+    misses: list[str] = field(default_factory=list)  # the cells that miss it
+
+
+def goals(cells: list[Cell]) -> list[Goal]:
+    """The issue's goals over the per-class cells (ALL rows are reported, not judged)."""
+    per_class = [c for c in cells if c.request_class != ALL]
+    out = []
+    for metric, bound in BOUNDS.items():
+        misses, worst, within = [], 0.0, 0
+        for c in per_class:
+            e = c.errors.get(metric, math.nan)
+            where = f"{c.path}/{c.policy}/{c.level}/{c.request_class}"
+            if math.isnan(e):  # a cell without a value (no request finished) cannot be said to meet it
+                misses.append(f"{where} (no value)")
+                continue
+            worst = max(worst, abs(e))
+            if abs(e) > bound:
+                misses.append(f"{where} ({100 * e:+.1f}%)")
+            else:
+                within += 1
+        out.append(Goal(f"{metric} within {100 * bound:.0f}%", bool(per_class) and not misses,
+                        f"{within}/{len(per_class)} cells within, worst {100 * worst:.1f}%", misses))
+    adaptive = [c for c in per_class if c.adaptive]
+    agree = sum(c.same_top_arm for c in adaptive)
+    frac = agree / len(adaptive) if adaptive else math.nan
+    out.append(Goal(f"adaptive top arm agrees in >= {100 * TOP_ARM_AGREEMENT:.0f}% of cells",
+                    bool(adaptive) and frac >= TOP_ARM_AGREEMENT,
+                    f"{agree}/{len(adaptive)} cells" if adaptive else "no adaptive policy was run",
+                    [f"{c.path}/{c.policy}/{c.level}/{c.request_class} (live {c.live.top_arm}, sim {c.sim.top_arm})"
+                     for c in adaptive if not c.same_top_arm]))
+    return out
+
+
+# ---- report --------------------------------------------------------------------------------------
+def _fmt(x: float, scale: float = 1.0, digits: int = 1) -> str:
+    return "-" if x is None or math.isnan(x) else f"{x * scale:.{digits}f}"
+
+
+def _err(x: float) -> str:
+    return "-" if math.isnan(x) else f"{100 * x:+.1f}%"
+
+
+TABLE_HEAD = ["path", "policy", "level", "class", "req live/sim", "tok/s live/sim (err)", "TTFT p50 ms (err)",
+              "TTFT p99 ms (err)", "TPOT p50 ms (err)", "TPOT p99 ms (err)", "top arm live/sim"]
+
+
+def table_rows(cells: list[Cell]) -> list[list[str]]:
+    rows = []
+    for c in cells:
+        def pair(m: str, scale: float) -> str:
+            return f"{_fmt(c.live.value(m), scale)}/{_fmt(c.sim.value(m), scale)} ({_err(c.errors[m])})"
+
+        rows.append([c.path, c.policy, c.level, c.request_class, f"{c.live.requests}/{c.sim.requests}",
+                     pair("throughput", 1.0), pair("ttft_p50", 1e3), pair("ttft_p99", 1e3), pair("tpot_p50", 1e3),
+                     pair("tpot_p99", 1e3),
+                     f"{c.live.top_arm}/{c.sim.top_arm}" + ("" if c.same_top_arm else " *")])
+    return rows
+
+
+def to_json(cells: list[Cell], goal_list: list[Goal], meta: dict) -> str:
+    def clean(x):
+        if isinstance(x, float) and math.isnan(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+
+    data = {"meta": meta, "goals": [asdict(g) for g in goal_list],
+            "cells": [{**asdict(c), "same_top_arm": c.same_top_arm} for c in cells]}
+    return json.dumps(clean(data), indent=1)
+
+
+def plot(cells: list[Cell], path: str | Path, title: str = "simulator fidelity") -> Path:
+    """Simulated against live, one panel per metric, every per-class cell a point (marker by
+    policy kind), with y = x and the goal's band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    per_class = [c for c in cells if c.request_class != ALL]
+    fig, axes = plt.subplots(1, len(METRICS), figsize=(4.2 * len(METRICS), 4.2))
+    scale = {"throughput": 1.0}
+    for ax, m in zip(axes, METRICS):
+        s = scale.get(m, 1e3)
+        for adaptive, marker, label in ((False, "s", "static"), (True, "o", "adaptive")):
+            pts = [(c.live.value(m) * s, c.sim.value(m) * s) for c in per_class
+                   if c.adaptive == adaptive and not math.isnan(c.live.value(m)) and not math.isnan(c.sim.value(m))]
+            if pts:
+                x, y = zip(*pts)
+                ax.scatter(x, y, marker=marker, s=18, alpha=0.75, label=label)
+        vals = [v * s for c in per_class for v in (c.live.value(m), c.sim.value(m)) if not math.isnan(v) and v > 0]
+        if vals:
+            lo, hi = min(vals) * 0.8, max(vals) * 1.25
+            xs = np.array([lo, hi])
+            ax.plot(xs, xs, "k-", lw=0.8)
+            band = BOUNDS.get(m)
+            if band:
+                ax.fill_between(xs, xs * (1 - band), xs * (1 + band), color="green", alpha=0.12,
+                                label=f"+-{100 * band:.0f}% (goal)")
+            ax.set_xlim(lo, hi)
+            ax.set_ylim(lo, hi)
+            if hi / lo > 20:
+                ax.set_xscale("log")
+                ax.set_yscale("log")
+        unit = "tok/s" if m == "throughput" else "ms"
+        ax.set(xlabel=f"live {m} ({unit})", ylabel=f"simulated {m} ({unit})", title=m)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---- the simulated side of a level ---------------------------------------------------------------
+def rows_from_sim(requests, recorder, class_names: list[str]) -> list[Row]:
+    rows = []
+    for i in range(len(requests)):
+        rows.append(Row(class_names[int(requests.class_idx[i])], float(requests.arrival_s[i]),
+                        float(recorder.first_token_s[i]), float(recorder.finish_s[i]),
+                        int(requests.output_tokens[i])))
+    return rows
+
+
+def sim_arm_steps(recorder, class_names: list[str], window: tuple[float, float]) -> dict[str, dict[str, float]]:
+    """Request-steps per arm and class in the bins inside ``window``."""
+    lo = int(math.floor(window[0] / recorder.bin_s))
+    hi = max(int(math.ceil(window[1] / recorder.bin_s)), lo + 1)
+    counts = recorder.arm_counts[:, lo:hi, :].sum(axis=1)  # [C, A]
+    out = {}
+    for c, name in enumerate(class_names):
+        out[name] = {_arm_key(a): float(counts[c, i]) for i, a in enumerate(recorder.arms) if counts[c, i] > 0}
+    return out
+
+
+def _arm_key(arm) -> str:
+    """The engine's spelling of an arm ("drafter:k", "none:0")."""
+    return f"{arm.drafter}:{arm.k}" if arm.k > 0 else "none:0"
+
+
+@dataclass(slots=True)
+class SimLevel:
+    """What the simulator needs to mirror one live level (a closed loop of ``clients`` with
+    their think time, or open-loop arrivals at the live run's times)."""
+
+    clients: int = 0
+    think_s: float = 0.0
+    think: str = "fixed"
+    arrivals_s: np.ndarray | None = None  # open loop: the send times (s from the start)
+
+
+def simulate_level(level: SimLevel, *, policy, cost, truths, classes, prompt_set, warmup_s: float, duration_s: float,
+                   drain_s: float, max_k: int, seed: int, bin_s: float = 0.5) -> tuple[Run, dict[str, dict[str, float]]]:
+    """One simulated run of ``level`` with ``policy``: its rows and window, and arm steps per class.
+
+    ``classes``: ``ClassSpec``s in the load test's order (their lengths come from
+    ``prompt_set``, sent round-robin as the live load test sends them)."""
+    from adaptspec.sim.closed_loop import RequestSource, simulate_closed_loop
+    from adaptspec.sim.scenario import ThinkTimeSpec
+    from adaptspec.sim.simulator import RunSetup, simulate
+    from adaptspec.sim.workload import Requests
+
+    names = [c.name for c in classes]
+    source = RequestSource(classes, prompt_set, "round_robin", np.random.default_rng([seed, 1]))
+    horizon = warmup_s + duration_s
+    if level.arrivals_s is None:
+        empty = Requests(np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+        setup = RunSetup(cost, truths, empty, 1, "least_loaded", max_k, horizon, drain_s, bin_s, seed)
+        out, req = simulate_closed_loop(setup, policy, level.clients,
+                                        ThinkTimeSpec(dist=level.think, mean_s=level.think_s), source)
+    else:
+        t = np.asarray(level.arrivals_s, dtype=float)
+        t = t[t < horizon]
+        cls, p, o = source.take(t.size)
+        req = Requests(t, p, o, cls)
+        out = simulate(RunSetup(cost, truths, req, 1, "least_loaded", max_k, horizon, drain_s, bin_s, seed), policy)
+    window = (warmup_s, horizon)
+    return Run(rows_from_sim(req, out.recorder, names), window), sim_arm_steps(out.recorder, names, window)
+
+
+def truths_from_recording(recording, class_names: list[str], drafters: Iterable[str], min_steps: int = 30):
+    """``ClassTruth`` per class from an ``AcceptanceFile``; a (class, drafter) never recorded
+    takes that drafter's acceptance pooled over the other classes, or none (0) if it never
+    ran. Returns the truths and a note per fallback."""
+    from adaptspec.sim.acceptance import BernoulliAcceptance
+    from adaptspec.sim.acceptance_replay import RecordedAcceptance
+    from adaptspec.sim.replica import ClassTruth
+
+    notes = []
+    truths = []
+    for name in class_names:
+        acc = {}
+        for d in drafters:
+            rec = recording.classes.get(name, {}).get(d)
+            if rec is not None and RecordedAcceptance.from_record(rec, min_steps).steps > 0:
+                acc[d] = RecordedAcceptance.from_record(rec, min_steps)
+                continue
+            pooled: dict[int, np.ndarray] = {}
+            for per in recording.classes.values():
+                if d in per:
+                    for k, h in per[d].joint.items():
+                        pooled[k] = pooled.get(k, 0) + np.asarray(h)
+            if pooled and sum(int(h.sum()) for h in pooled.values()) > 0:
+                acc[d] = RecordedAcceptance(pooled, min_steps)
+                notes.append(f"{name}/{d}: not recorded; the other classes' {d} acceptance pooled")
+            else:
+                acc[d] = BernoulliAcceptance(0.0)
+                notes.append(f"{name}/{d}: {d} never ran live; acceptance 0")
+        truths.append(ClassTruth(name, acc))
+    return truths, notes

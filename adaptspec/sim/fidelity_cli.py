@@ -1,0 +1,100 @@
+"""The `fidelity` command: the same workload live and simulated, within how much?"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from adaptspec.clierr import console as _console, fail_cleanly
+
+
+def register(app: typer.Typer) -> None:
+    app.command("fidelity")(fidelity)
+
+
+def _ints(text: str, option: str) -> tuple[int, ...]:
+    try:
+        xs = tuple(int(x) for x in text.split(",") if x)
+    except ValueError:
+        xs = ()
+    if not xs or any(x < 1 for x in xs):
+        raise ValueError(f"{option}: positive integers, comma-separated, got {text!r}")
+    return xs
+
+
+@fail_cleanly
+def fidelity(
+    config: Optional[str] = typer.Option(None, help="service config YAML (models, engine, controller); default: "
+                                                    "the embedded one"),
+    out: Path = typer.Option(Path("fidelity"), "--out", help="folder for the report (fidelity.json, fidelity.png) "
+                                                             "and what it used (profile, acceptance, prompt set, "
+                                                             "scenario)"),
+    concurrency: str = typer.Option("1,4,16", help="closed-loop client counts (comma-separated; empty: none)"),
+    rate: str = typer.Option("", help="open-loop arrival rates, requests/s (comma-separated)"),
+    arrival: str = typer.Option("poisson", help="open-loop inter-arrival law: poisson | gamma"),
+    burstiness: float = typer.Option(1.0, help="gamma shape (< 1: burstier)"),
+    think_time: float = typer.Option(0.0, help="closed loop: mean seconds between a reply and the next request"),
+    think: str = typer.Option("fixed", help="think-time law: fixed | exponential"),
+    arrival_seed: int = typer.Option(0, help="seed of the arrival and think times"),
+    policies: str = typer.Option("", help="comma-separated policies (default: thompson, static:none:0 and each "
+                                          "drafter at k = 4)"),
+    classes: str = typer.Option("chat,code_edit,extraction", help="request classes, sent in turn"),
+    duration: float = typer.Option(30.0, help="measured seconds per level and policy"),
+    warmup: float = typer.Option(10.0, help="seconds of load before each measured window"),
+    rounds: int = typer.Option(1, help="live runs per level and policy, interleaved"),
+    fresh: bool = typer.Option(False, "--fresh", help="start each run's policy afresh (live and simulated)"),
+    max_tokens: int = typer.Option(64, help="max_tokens of every request"),
+    profile: Optional[str] = typer.Option(None, help="use this step-cost profile JSON instead of calibrating"),
+    calibrate_repeats: int = typer.Option(3, help="timed steps per calibration point"),
+    calibrate_batch: str = typer.Option("1,2,4,8,16", help="calibration batch sizes (up to the engine's KV slots)"),
+    calibrate_ks: str = typer.Option("2,4,8", help="calibration k values"),
+    sim_seeds: int = typer.Option(1, help="simulated runs per level and policy (pooled)"),
+    grpc: bool = typer.Option(False, "--grpc", help="also run the levels through Ray Serve and gRPC (starts the "
+                                                    "service of --config)"),
+    torch_threads: Optional[int] = typer.Option(None, help="torch threads (default: the replica's)"),
+) -> None:
+    """Run one workload live and simulated; per class and level, the relative error of
+    throughput, TTFT and TPOT p50/p99, and the arms chosen (a table, JSON and a plot)."""
+    from rich.table import Table
+
+    from adaptspec.serve.cli import load_levels
+    from adaptspec.sim.fidelity import TABLE_HEAD, plot, table_rows
+    from adaptspec.sim.fidelity_run import FidelityOptions, run_fidelity
+
+    levels = load_levels(concurrency, "", think_time=think_time, think=think, seed=arrival_seed) if concurrency else []
+    if rate:
+        levels += load_levels("1", rate, arrival, burstiness, seed=arrival_seed)
+    if not levels:
+        raise ValueError("--concurrency / --rate: give at least one level")
+    if rounds < 1 or sim_seeds < 1 or duration <= 0 or warmup < 0 or max_tokens < 1:
+        raise ValueError("--rounds, --sim-seeds and --max-tokens must be >= 1, --duration > 0, --warmup >= 0")
+    opts = FidelityOptions(config=config, levels=levels, policies=[p for p in policies.split(",") if p],
+                           classes=[c for c in classes.split(",") if c], max_tokens=max_tokens, duration_s=duration,
+                           warmup_s=warmup, rounds=rounds, fresh=fresh, profile=profile,
+                           calibrate_repeats=calibrate_repeats,
+                           calibrate_batch=_ints(calibrate_batch, "--calibrate-batch"),
+                           calibrate_ks=_ints(calibrate_ks, "--calibrate-ks"), sim_seeds=sim_seeds, grpc=grpc,
+                           torch_threads=torch_threads, out=out)
+    if not opts.classes:
+        raise ValueError("--classes: at least one class")
+    if profile and not Path(profile).is_file():
+        raise ValueError(f"--profile: {profile} is not a file")
+    console = _console()
+    cells, goal_list, meta = run_fidelity(opts, console)
+    t = Table(title=f"fidelity: live / simulated (relative error of simulated), {meta['date']}")
+    for h in TABLE_HEAD:
+        t.add_column(h)
+    for row in table_rows(cells):
+        t.add_row(*row)
+    console.print(t)
+    for g in goal_list:
+        console.print(f"{'[green]met[/green]' if g.met else '[red]missed[/red]'}  {g.name}: {g.detail}")
+        for m in g.misses[:8]:
+            console.print(f"    {m}")
+        if len(g.misses) > 8:
+            console.print(f"    ... and {len(g.misses) - 8} more")
+    for n in meta["notes"]:
+        console.print(f"note: {n}")
+    png = plot(cells, out / "fidelity.png", title=f"simulated vs live, {meta['machine']}, {meta['date'][:10]}")
+    console.print(f"wrote {out / 'fidelity.json'}, {png}, {out / 'scenario.yaml'}")

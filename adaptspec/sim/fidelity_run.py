@@ -1,0 +1,365 @@
+"""``adaptspec fidelity``: calibrate, run a workload live and simulated, compare.
+
+1. Step costs: a fresh ``adaptspec calibrate`` of the service config's engine on this
+   machine (same models, dtype, device and torch threads), prefill steps included; or a
+   given profile.
+2. Live: every (level, policy) through the in-process engine and controller (the
+   replica's engine and ``ControlCore``, driven as a replica drives them), interleaved as
+   ``adaptspec loadtest`` interleaves them; optionally also through Ray Serve and gRPC.
+   The engine's steps are recorded meanwhile: acceptance per class, drafter, k and
+   position (``AcceptanceRecorder``), and what each prompt produced (the prompt set:
+   prompt tokens by the engine's tokenizer, output tokens as the live requests ended).
+3. Simulated: the same levels (closed loops of the same clients and think times; the open
+   loops at the live run's very arrival times), the same prompts in the same order, the
+   same policies built by the service's ``make_policy`` with the controller's settings, on
+   the calibrated profile and the recorded acceptance.
+4. Per path, policy, level and class: relative errors of throughput, TTFT p50/p99 and
+   TPOT p50/p99, the top arm live and simulated; the goals; a table, JSON and a plot.
+   Everything it used (profile, acceptance recording, prompt set, a scenario YAML for
+   ``adaptspec simulate``) lands in the output folder.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from adaptspec.sim.fidelity import (
+    ALL, Cell, Row, Run, SimLevel, goals, make_cell, side_metrics, simulate_level, to_json, truths_from_recording,
+)
+
+
+@dataclass(slots=True)
+class FidelityOptions:
+    config: str | None = None
+    levels: list = field(default_factory=lambda: [1, 4, 16])  # ints (closed loops) and loadtest.Arrivals
+    policies: list[str] = field(default_factory=list)  # empty: thompson and the static arms
+    classes: list[str] = field(default_factory=lambda: ["chat", "code_edit", "extraction"])
+    max_tokens: int = 64
+    duration_s: float = 30.0
+    warmup_s: float = 10.0
+    rounds: int = 1
+    fresh: bool = False
+    profile: str | None = None  # a profile JSON: skip the calibration
+    calibrate_repeats: int = 3
+    calibrate_batch: tuple[int, ...] = (1, 2, 4, 8, 16)
+    calibrate_ks: tuple[int, ...] = (2, 4, 8)
+    sim_seeds: int = 1
+    drain_s: float = 120.0
+    grpc: bool = False
+    torch_threads: int | None = None
+    out: Path = Path("fidelity")
+
+
+def default_policies(drafters: tuple[str, ...], max_k: int) -> list[str]:
+    k = min(4, max_k)
+    return ["thompson", "static:none:0"] + [f"static:{d}:{k}" for d in drafters]
+
+
+def rows_from_records(records) -> list[Row]:
+    """Load-test ``RequestRecord``s as rows (perf_counter clock)."""
+    rows = []
+    for r in records:
+        error = bool(r.error)
+        rows.append(Row(r.request_class, r.start_s, r.start_s + r.ttft_s if r.ttft_s > 0 else math.nan,
+                        r.start_s + r.e2e_s if not (r.cut or error) else math.nan, r.tokens, r.cut, error,
+                        list(r.chunks), r.prompt_index, dict(r.arms)))
+    return rows
+
+
+def build_prompt_set(engine, classes: list[str], live: dict, max_tokens: int):
+    """Per class, each bench prompt's (prompt tokens by the engine's tokenizer, output tokens
+    as the live requests of that prompt ended: their median; ``max_tokens`` for a prompt that
+    never finished live). Returns the ``PromptSet`` and its CSV rows."""
+    from adaptspec.serve.loadtest import bench_prompts
+    from adaptspec.sim.closed_loop import PromptSet
+
+    prompts = bench_prompts()
+    ended: dict[tuple[str, int], list[int]] = {}
+    for runs in live.values():
+        for run in runs:
+            for r in run.rows:
+                if not (r.cut or r.error) and r.tokens > 0 and r.prompt_index >= 0:
+                    ended.setdefault((r.request_class, r.prompt_index), []).append(r.tokens)
+    ptoks, otoks, csv_rows = [], [], []
+    for cls in classes:
+        pool = prompts.get(cls) or prompts["chat"]
+        p = np.array([len(engine.encode(x)) for x in pool], dtype=np.int64)
+        o = np.array([int(np.median(ended[(cls, i)])) if (cls, i) in ended else max_tokens for i in range(len(pool))],
+                     dtype=np.int64)
+        ptoks.append(p)
+        otoks.append(o)
+        csv_rows += [(cls, int(a), int(b)) for a, b in zip(p, o)]
+    return PromptSet(ptoks, otoks), csv_rows
+
+
+def sim_profile(profile_path: str | Path, cfg, engine):
+    """The calibrated profile with the live engine's limits: KV slots, KV tokens, step token budget."""
+    from adaptspec.sim.costs import ProfileCostModel
+
+    model = ProfileCostModel.load(profile_path)
+    ec = getattr(engine, "config", None)
+    budget = (getattr(ec, "max_num_batched_tokens", None) or getattr(ec, "max_batched_tokens", None)
+              or cfg.engine.max_num_seqs * cfg.engine.max_model_len)  # no budget: a step prefills all it admits
+    update = {"max_num_seqs": cfg.engine.max_num_seqs, "kv_capacity_tokens": cfg.engine.max_num_seqs *
+              cfg.engine.max_model_len, "max_batched_tokens": int(budget)}
+    return ProfileCostModel(model.profile.model_copy(update=update))
+
+
+def calibrate_for(cfg, out: Path, opts: FidelityOptions) -> Path:
+    """A fresh calibration of the service's engine: its models, dtype, device, torch threads."""
+    import torch
+
+    from adaptspec.sim.calibrate import calibrate
+
+    torch.set_num_threads(opts.torch_threads or cfg.engine.torch_threads or max(1, int(cfg.target.num_cpus or 1)))
+    draft = cfg.models.draft if cfg.placement == "colocated" else None
+    batch = tuple(b for b in opts.calibrate_batch if b <= cfg.engine.max_num_seqs) or (1,)
+    ks = tuple(k for k in opts.calibrate_ks if k <= cfg.controller.max_k) or (1,)
+    return calibrate(out, target=cfg.models.target, draft=draft, dtype=cfg.models.dtype, device=cfg.models.device,
+                     repeats=opts.calibrate_repeats, batch_sizes=batch, ks=ks, prefill=True)
+
+
+def _live_levels(opts: FidelityOptions, spec, console, *, current, switch, run_one) -> tuple[dict, list]:
+    """Every (level, policy) run, interleaved as the load test does; returns
+    {(policy, level label): [Run]} and the load test's summaries."""
+    from adaptspec.serve.cli import _interleaved_levels
+    from adaptspec.serve.loadtest import as_arrivals
+
+    runs: dict[tuple[str, str], list[Run]] = {}
+
+    def capture(n):
+        got, window = run_one(n)
+        runs.setdefault((current(), as_arrivals(n).label), []).append(Run(rows_from_records(got),
+                                                                          (window.start_s, window.end_s)))
+        return got, window
+
+    summaries = _interleaved_levels(opts.levels, opts.policies, opts.rounds, opts.fresh, spec, console,
+                                    current=current, switch=switch, run_one=capture)
+    return runs, summaries
+
+
+def _grpc_levels(cfg, opts: FidelityOptions, spec, console) -> tuple[dict, list]:
+    from adaptspec.serve import app as serve_app
+    from adaptspec.serve.cli import start_embedded
+    from adaptspec.serve.client import Client
+    from adaptspec.serve.loadtest import run_level
+
+    address = start_embedded(cfg, console)
+    try:
+        with Client(address, cfg.app_name) as c:
+            c.wait_ready(60)
+            return _live_levels(opts, spec, console, current=lambda: c.policy().policy,
+                                switch=lambda p, reset: c.update_policy(p, reset=reset),
+                                run_one=lambda n: run_level(c, n, opts.duration_s, spec, warmup_s=opts.warmup_s))
+    finally:
+        serve_app.stop()
+
+
+def _sim_level(level) -> SimLevel:
+    from adaptspec.serve.loadtest import as_arrivals
+
+    arr = as_arrivals(level)
+    if arr.open:
+        return SimLevel(arrivals_s=None)  # filled per run with the live times
+    return SimLevel(clients=arr.clients, think_s=arr.think_s, think=arr.think)
+
+
+def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_set, console=None) -> dict:
+    """{(policy, level label): ([Run], {class: {arm: steps}})}: every (level, policy) as the
+    live run had them (an adaptive policy carries what it learned from level to level unless
+    ``fresh``, as the live controller does), ``sim_seeds`` runs each."""
+    from adaptspec.control import ClassTarget
+    from adaptspec.serve.loadtest import as_arrivals
+    from adaptspec.serve.policies import load_cost_prior, make_policy
+
+    m = cfg.models
+    prior = load_cost_prior(cfg.controller.cost_profile, target=m.target, dtype=m.dtype, device=m.device)
+    targets = tuple(ClassTarget(c.name, c.tpot_s, c.ttft_s) for c in cfg.classes
+                    if c.tpot_s is not None or c.ttft_s is not None)
+    policies: dict[tuple[str, int], object] = {}
+    out: dict = {}
+    for level in opts.levels:
+        arr = as_arrivals(level)
+        lv = _sim_level(level)
+        if arr.open:
+            lv.arrivals_s = arr.times(opts.warmup_s + opts.duration_s)  # the live run's arrival times
+        for name in opts.policies:
+            runs, arms = [], {}
+            for seed in range(opts.sim_seeds):
+                key = (name, seed)
+                if opts.fresh or key not in policies:
+                    policies[key] = make_policy(name, drafters=cfg.drafters, max_k=cfg.controller.max_k,
+                                                targets=targets, seed=cfg.controller.seed + seed, prior_cost=prior,
+                                                fade_half_life_s=cfg.controller.fade_half_life_s)
+                run, steps = simulate_level(lv, policy=policies[key], cost=cost, truths=truths, classes=class_specs,
+                                            prompt_set=prompt_set, warmup_s=opts.warmup_s,
+                                            duration_s=opts.duration_s, drain_s=opts.drain_s,
+                                            max_k=cfg.controller.max_k, seed=seed)
+                runs.append(run)
+                for cls, per in steps.items():
+                    for a, n in per.items():
+                        arms.setdefault(cls, {})[a] = arms.setdefault(cls, {}).get(a, 0) + n
+            out[(name, arr.label)] = (runs, arms)
+            if console is not None:
+                console.print(f"simulated {name} {arr.label}")
+    return out
+
+
+def compare(path: str, live: dict, sim: dict, classes: list[str]) -> list[Cell]:
+    cells = []
+    for (policy, level), live_runs in live.items():
+        if (policy, level) not in sim:
+            continue
+        sim_runs, sim_arms = sim[(policy, level)]
+        adaptive = not policy.startswith("static")
+        for cls in [*classes, ALL]:
+            arms = sim_arms.get(cls, {}) if cls != ALL else _sum_arms(sim_arms.values())
+            cells.append(make_cell(path, policy, level, cls, adaptive,
+                                   side_metrics(live_runs, None if cls == ALL else cls),
+                                   side_metrics(sim_runs, None if cls == ALL else cls, arms)))
+    return cells
+
+
+def _sum_arms(per_class) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for per in per_class:
+        for a, n in per.items():
+            out[a] = out.get(a, 0) + n
+    return out
+
+
+def scenario_yaml(opts: FidelityOptions, cfg, profile: str, recording: str, prompt_set: str) -> dict:
+    """A scenario ``adaptspec simulate`` runs: the closed-loop levels as a clients sweep (the
+    open-loop levels and per-level think times are the command's own; the policies as close as
+    the scenario schema writes them: thompson seeds its cost model from the calibrated profile
+    where the live controller takes controller.cost_profile)."""
+    from adaptspec.serve.loadtest import as_arrivals
+
+    closed = [as_arrivals(lv) for lv in opts.levels if not as_arrivals(lv).open]
+    pols = []
+    for p in opts.policies:
+        base, _, rest = p.partition(":")
+        if base == "static":
+            d, _, k = rest.partition(":")
+            pols.append({"kind": "static", "drafter": d or "none", "k": int(k or 0)})
+        elif base == "thompson":
+            pols.append({"kind": "thompson", "fade_half_life_s": cfg.controller.fade_half_life_s,
+                         "seed_cost_from_profile": cfg.controller.cost_profile is not None})
+        elif base == "ucb":
+            pols.append({"kind": "ucb"})
+    classes = []
+    for c in opts.classes:
+        cc = {"name": c, "acceptance": {d: {"recorded": {"file": recording}} for d in cfg.drafters}}
+        tc = next((x for x in cfg.classes if x.name == c), None)
+        if tc is not None and (tc.tpot_s or tc.ttft_s):
+            cc["target"] = {k: v for k, v in (("tpot_s", tc.tpot_s), ("ttft_s", tc.ttft_s)) if v}
+        classes.append(cc)
+    sc = {
+        "name": "fidelity-mirror",
+        "description": "written by adaptspec fidelity: the live closed-loop levels, prompt set, calibrated profile "
+                       "and recorded acceptance",
+        "seed": 0, "duration_s": opts.warmup_s + opts.duration_s, "warmup_s": opts.warmup_s, "drain_s": opts.drain_s,
+        "timeline_bin_s": 1.0,
+        "hardware": {"profile_file": profile},
+        "drafters": list(cfg.drafters), "max_k": cfg.controller.max_k,
+        "classes": classes,
+        "workload": {"closed_loop": {"clients": closed[0].clients if closed else 1,
+                                     "think_time": {"dist": closed[0].think if closed else "fixed",
+                                                    "mean_s": closed[0].think_s if closed else 0.0}},
+                     "prompt_set": {"path": prompt_set}},
+        "policies": pols or [{"kind": "static", "drafter": "none", "k": 0}],
+        "targets_from_slo": False,
+    }
+    if len(closed) > 1:
+        sc["sweep"] = {"clients": [a.clients for a in closed]}
+    return sc
+
+
+def machine() -> str:
+    import torch
+
+    return (f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+            f"({torch.get_num_threads()} threads)")
+
+
+def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict]:
+    import csv
+
+    import yaml
+
+    from adaptspec.serve.config import load_config
+    from adaptspec.serve.inprocess import InProcessService
+    from adaptspec.serve.loadtest import LoadSpec
+    from adaptspec.sim.acceptance_replay import AcceptanceRecorder
+    from adaptspec.sim.scenario import ClassSpec
+
+    cfg = load_config(opts.config)
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    opts.policies = opts.policies or default_policies(cfg.drafters, cfg.controller.max_k)
+    started = _dt.datetime.now().astimezone()
+    if opts.profile:
+        profile_path = Path(opts.profile)
+    else:
+        with console.status("calibrating the step costs on this machine"):
+            profile_path = calibrate_for(cfg, out / "profile.json", opts)
+        console.print(f"calibrated: {profile_path}")
+    spec = LoadSpec(list(opts.classes), opts.max_tokens)
+    with console.status("loading the models"):
+        svc = InProcessService(cfg, torch_threads=opts.torch_threads)
+    recorder = AcceptanceRecorder()
+    svc.engine.step_listeners.append(recorder.observe_step)
+    live = {"in-process": _live_levels(opts, spec, console, current=svc.policy,
+                                       switch=lambda p, reset: svc.update_policy(p, reset=reset),
+                                       run_one=lambda n: svc.run_level(n, opts.duration_s, spec,
+                                                                       warmup_s=opts.warmup_s))}
+    recording = recorder.to_file(f"{cfg.models.target} + {cfg.models.draft or 'no draft'} ({cfg.models.dtype}, "
+                                 f"{cfg.models.device}), {started:%Y-%m-%d %H:%M %Z}, {recorder.steps} steps")
+    recording.save(out / "acceptance.json")
+    prompt_set, ps_rows = build_prompt_set(svc.engine, list(opts.classes), live["in-process"][0], opts.max_tokens)
+    with open(out / "prompt_set.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["request_class", "num_prefill_tokens", "num_decode_tokens"])
+        w.writerows(ps_rows)
+    cost = sim_profile(profile_path, cfg, svc.engine)
+    engine = svc.engine
+    if opts.grpc:
+        del svc  # the service's replica gets the CPU to itself
+        live["grpc"] = _grpc_levels(cfg, opts, spec, console)
+    truths, notes = truths_from_recording(recording, list(opts.classes), cfg.drafters)
+    class_specs = [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes]
+    sim = simulate_all(cfg, opts, cost, truths, class_specs, prompt_set)
+    cells = []
+    for path, (runs, _) in live.items():
+        cells += compare(path, runs, sim, list(opts.classes))
+    goal_list = goals(cells)
+    meta = {
+        "date": started.isoformat(timespec="seconds"), "machine": machine(),
+        "engine": f"{type(engine).__module__}", "config": opts.config or "(embedded default)",
+        "models": {"target": cfg.models.target, "draft": cfg.models.draft, "dtype": cfg.models.dtype,
+                   "device": cfg.models.device},
+        "profile": str(profile_path), "levels": [_level_json(x) for x in opts.levels], "policies": opts.policies,
+        "classes": list(opts.classes), "duration_s": opts.duration_s, "warmup_s": opts.warmup_s,
+        "rounds": opts.rounds, "max_tokens": opts.max_tokens, "sim_seeds": opts.sim_seeds,
+        "acceptance_steps": recorder.steps, "notes": notes,
+        "live_summaries": {p: [asdict(s) for s in summ] for p, (_, summ) in live.items()},
+    }
+    (out / "fidelity.json").write_text(to_json(cells, goal_list, meta))
+    (out / "scenario.yaml").write_text(yaml.safe_dump(scenario_yaml(opts, cfg, str(Path(profile_path).resolve()),
+                                                                    "acceptance.json", "prompt_set.csv"),
+                                                      sort_keys=False))
+    return cells, goal_list, meta
+
+
+def _level_json(level) -> dict:
+    from adaptspec.serve.loadtest import as_arrivals
+
+    a = as_arrivals(level)
+    return {"label": a.label, **json.loads(json.dumps(asdict(a)))}

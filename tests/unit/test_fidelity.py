@@ -1,0 +1,302 @@
+"""Simulator fidelity: acceptance replay, the report's error math and goals, open-loop
+arrivals in the load test, and a tiny end-to-end ``adaptspec fidelity`` run."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace as NS
+
+import numpy as np
+import pytest
+
+from adaptspec.sim.acceptance_replay import AcceptanceFile, AcceptanceRecorder, RecordedAcceptance
+from adaptspec.sim.fidelity import ALL, Row, Run, goals, make_cell, side_metrics, tokens_in_window
+
+
+# ---- acceptance recording and replay ---------------------------------------------------------
+def test_recorder_counts_proposed_and_kept_per_class_drafter_and_k():
+    rec = AcceptanceRecorder()
+    step = NS(requests=[
+        NS(request_class="chat", drafter="ngram", k=4, drafted=0, accepted=0),  # lookup miss
+        NS(request_class="chat", drafter="ngram", k=4, drafted=3, accepted=2),
+        NS(request_class="chat", drafter="ngram", k=4, drafted=3, accepted=2),
+        NS(request_class="chat", drafter="none", k=0, drafted=0, accepted=0),  # no drafting: not a sample
+        NS(request_class="code", drafter="draft", k=2, drafted=2, accepted=1,
+           draft_confidence=[0.95, 0.15]),
+    ])
+    rec.observe_step(step)
+    f = rec.to_file("test")
+    h = np.array(f.classes["chat"]["ngram"].joint[4])
+    assert h.shape == (5, 5) and h.sum() == 3 and h[0, 0] == 1 and h[3, 2] == 2
+    conf = f.classes["code"]["draft"].confidence
+    assert conf.seen == [[0] * 9 + [1], [0, 1] + [0] * 8]  # position 1 in bin 9, position 2 in bin 1
+    assert conf.accepted[9] == 1 and conf.rejected[1] == 1 and sum(conf.accepted) + sum(conf.rejected) == 2
+    assert f.classes["chat"]["ngram"].confidence is None  # n-gram gave no confidences here
+
+
+def _record(avail: float, keep: float, k: int, n: int, seed: int = 0) -> RecordedAcceptance:
+    """n request-steps of a drafter whose candidate at each position is there with chance
+    ``avail`` (given the ones before were) and accepted with chance ``keep`` (given the ones
+    before were): n-gram-like, proposing fewer than k when the match runs out."""
+    rng = np.random.default_rng(seed)
+    rec = AcceptanceRecorder()
+    m = np.cumprod(rng.random((n, k)) < avail, axis=1).sum(axis=1)
+    j = np.minimum(np.cumprod(rng.random((n, k)) < keep, axis=1).sum(axis=1), m)
+    for a, b in zip(m, j):
+        rec.observe("c", "ngram", k, int(a), int(b))
+    return RecordedAcceptance.from_record(rec.to_file().classes["c"]["ngram"], min_steps=30)
+
+
+def test_replay_recovers_the_proposal_and_acceptance_rates():
+    model = _record(0.7, 0.6, k=4, n=20000)
+    there, keep = model.proposal_probs(4)
+    # ~20000 / 7000 trials at the first / fourth position: 4 standard errors is under 0.025
+    np.testing.assert_allclose(there, 0.7, atol=0.025)
+    np.testing.assert_allclose(keep, 0.6, atol=0.03)
+    # asking for k: a missing candidate is a rejection, so position 1 succeeds with 0.7 * 0.6
+    assert abs(model.position_probs(4)[0] - 0.42) < 0.02
+
+
+def test_replay_at_an_unrecorded_k_extends_the_pooled_rates_with_a_negative_control():
+    """Asked for k = 6 (recorded at 4 only), the replay draws position by position with the
+    last recorded rates repeating: mean proposed = sum_{j<=6} 0.7^j, mean kept = sum_j
+    (0.7 * 0.6)^j. Negative control: a recording of a drafter with 0.5 availability is
+    told apart by the same check."""
+    want_m = sum(0.7 ** j for j in range(1, 7))
+    want_j = sum(0.42 ** j for j in range(1, 7))
+    m, j = _record(0.7, 0.6, k=4, n=20000).sample_proposed(6, 20000, np.random.default_rng(1))
+    assert np.all(j <= m) and m.max() <= 6
+    tol_m = 4 * m.std() / math.sqrt(m.size) + 0.03  # sampling error plus the recorded rates' own
+    assert abs(m.mean() - want_m) < tol_m
+    assert abs(j.mean() - want_j) < 4 * j.std() / math.sqrt(j.size) + 0.03
+    m_other, _ = _record(0.5, 0.6, k=4, n=20000).sample_proposed(6, 20000, np.random.default_rng(1))
+    assert abs(m_other.mean() - want_m) > 5 * tol_m
+
+
+def test_replay_at_a_recorded_k_resamples_its_histogram():
+    model = _record(0.7, 0.6, k=4, n=5000, seed=3)
+    hist = model.joint[4].sum(axis=0)
+    want = float(np.dot(np.arange(5), hist) / hist.sum())
+    got = model.sample(4, 50000, np.random.default_rng(2))
+    assert abs(got.mean() - want) < 4 * got.std() / math.sqrt(got.size)
+    m, j = model.sample_proposed(4, 50000, np.random.default_rng(2))
+    assert np.all(j <= m) and abs(j.mean() - want) < 4 * j.std() / math.sqrt(j.size)
+
+
+def test_recorded_acceptance_in_a_scenario_and_its_errors(tmp_path):
+    from adaptspec.sim.runner import class_truths
+    from adaptspec.sim.scenario import parse_scenario
+
+    rec = AcceptanceRecorder()
+    for a in (0, 1, 2, 2):
+        rec.observe("chat", "ngram", 2, 2, a)
+    rec.to_file("t").save(tmp_path / "acc.json")
+    base = {"name": "t", "duration_s": 10, "hardware": {"profile": "cpu-smollm2-135m-fp32"}, "drafters": ["ngram"],
+            "classes": [{"name": "chat", "prompt_tokens": {"dist": "fixed", "value": 8},
+                         "output_tokens": {"dist": "fixed", "value": 8},
+                         "acceptance": {"ngram": {"recorded": {"file": "acc.json"}}}}],
+            "workload": {"rate": {"kind": "constant", "rps": 1}}, "policies": [{"kind": "thompson"}]}
+    truths = class_truths(parse_scenario(base), tmp_path)
+    assert isinstance(truths[0].acceptance["ngram"], RecordedAcceptance)
+    assert truths[0].acceptance["ngram"].steps == 4
+    other = json.loads(json.dumps(base))
+    other["classes"][0]["acceptance"]["ngram"]["recorded"]["request_class"] = "code"
+    with pytest.raises(ValueError, match=r"classes\.0\.acceptance\.ngram\.recorded.*'code'"):
+        class_truths(parse_scenario(other), tmp_path)
+    missing = json.loads(json.dumps(base))
+    missing["classes"][0]["acceptance"]["ngram"]["recorded"]["file"] = "nope.json"
+    with pytest.raises(ValueError, match=r"recorded\.file"):
+        class_truths(parse_scenario(missing), tmp_path)
+    with pytest.raises(ValueError, match="kept <= proposed"):
+        RecordedAcceptance({2: np.array([[0, 1, 0], [0, 0, 0], [0, 0, 0]])})
+    assert AcceptanceFile.load(tmp_path / "acc.json").classes["chat"]["ngram"].joint[2][2] == [1, 1, 2]
+
+
+# ---- the report's error math ------------------------------------------------------------------
+def test_tokens_in_window_from_chunks_or_spread_evenly():
+    live = Row("c", 0.0, 1.0, 4.0, 4, chunks=[(1.0, 1), (2.0, 2), (4.0, 1)])
+    assert tokens_in_window(live, 1.5, 3.0) == 2 and tokens_in_window(live, 0.0, 10.0) == 4
+    sim = Row("c", 0.0, 1.0, 4.0, 4)  # tokens at 1, 2, 3, 4
+    assert tokens_in_window(sim, 1.5, 3.0) == 2 and tokens_in_window(sim, 3.5, 9.0) == 1
+    assert tokens_in_window(Row("c", 0.0, 1.0, math.nan, 1), 0.0, 2.0) == 1
+    assert tokens_in_window(Row("c", 0.0), 0.0, 2.0) == 0
+
+
+def _rows(ttft: float, tpot: float, n: int, tokens: int = 11, cls: str = "c", arms=None) -> list[Row]:
+    # one request a second, each `tokens` long: first token ttft after it starts, then tpot apart
+    return [Row(cls, float(i), i + ttft, i + ttft + tpot * (tokens - 1), tokens, arms=dict(arms or {}))
+            for i in range(n)]
+
+
+def test_side_metrics_measure_inside_the_window():
+    rows = _rows(0.1, 0.02, 10, arms={"ngram:4": 5})
+    rows.append(Row("c", 9.5, 9.6, math.nan, 3, cut=True, chunks=[(9.6, 1), (9.7, 2)]))  # cut: tokens count
+    m = side_metrics([Run(rows, (2.0, 8.0))], "c")
+    # finished inside [2, 8]: requests 2..7 end at i + 0.3 -> 2.3 .. 7.3: six of them
+    assert m.requests == 6
+    assert m.ttft_p50 == pytest.approx(0.1) and m.tpot_p50 == pytest.approx(0.02)
+    assert m.top_arm == "ngram:4" and m.arms == {"ngram:4": 1.0}
+    assert side_metrics([Run(rows, (2.0, 8.0))], "other").requests == 0
+    assert math.isnan(side_metrics([Run(rows, (2.0, 8.0))], "other").ttft_p50)
+    # two runs pool their windows
+    both = side_metrics([Run(rows, (2.0, 8.0)), Run(rows, (2.0, 8.0))], "c")
+    assert both.requests == 12 and both.throughput == pytest.approx(m.throughput)
+
+
+def _cell(policy, cls, live_scale=(1.0, 1.0, 1.0), top=("none:0", "none:0")):
+    live = side_metrics([Run(_rows(0.1, 0.02, 20, arms={top[0]: 1}), (0.0, 30.0))], None)
+    sim_rows = _rows(0.1 * live_scale[1], 0.02 * live_scale[2], 20)
+    sim = side_metrics([Run(sim_rows, (0.0, 30.0 / live_scale[0]))], None, {top[1]: 3})
+    return make_cell("in-process", policy, "c=4", cls, not policy.startswith("static"), live, sim)
+
+
+def test_relative_errors_and_goals():
+    ok = _cell("static:none:0", "a")
+    assert all(abs(ok.errors[m]) < 1e-9 for m in ("throughput", "ttft_p50", "tpot_p50"))
+    off = _cell("static:none:0", "b", live_scale=(1.15, 1.15, 0.95))  # throughput +15%, TTFT +15%, TPOT -5%
+    assert off.errors["throughput"] == pytest.approx(0.15, abs=0.01)
+    assert off.errors["ttft_p50"] == pytest.approx(0.15) and off.errors["tpot_p50"] == pytest.approx(-0.05)
+    g = {x.name.split(" ")[0]: x for x in goals([ok, off])}
+    assert not g["throughput"].met and "static:none:0/c=4/b" in g["throughput"].misses[0]
+    assert g["tpot_p50"].met and g["ttft_p50"].met  # 15 % is inside TTFT's 20 %
+    assert not g["adaptive"].met  # no adaptive policy ran: nothing to agree on
+
+
+def test_top_arm_agreement_needs_eighty_percent_of_adaptive_cells():
+    agree = [_cell("thompson", c, top=("ngram:4", "ngram:4")) for c in "abcd"]
+    one_off = _cell("thompson", "e", top=("ngram:4", "draft:2"))
+    static = _cell("static:ngram:4", "f", top=("ngram:4", "draft:2"))  # static cells are not counted
+    assert next(g for g in goals(agree + [one_off, static]) if g.name.startswith("adaptive")).met  # 4/5
+    two_off = [_cell("thompson", c, top=("ngram:4", "draft:2")) for c in "gh"]
+    g = next(g for g in goals(agree[:3] + two_off) if g.name.startswith("adaptive"))
+    assert not g.met and g.detail == "3/5 cells" and len(g.misses) == 2
+
+
+def test_a_cell_without_values_misses_and_the_all_rows_are_not_judged():
+    empty = side_metrics([Run([], (0.0, 1.0))], None)
+    c = make_cell("in-process", "static:none:0", "c=1", "a", False, empty, empty)
+    assert math.isnan(c.errors["tpot_p50"])
+    assert not goals([c])[0].met and "(no value)" in goals([c])[0].misses[0]
+    bad_all = _cell("static:none:0", ALL, live_scale=(2.0, 2.0, 2.0))
+    assert all(g.met for g in goals([_cell("static:none:0", "a"), bad_all])[:3])
+
+
+def test_report_json_and_plot(tmp_path):
+    from adaptspec.sim.fidelity import plot, table_rows, to_json
+
+    cells = [_cell("thompson", "a", top=("ngram:4", "ngram:4")), _cell("static:none:0", "a", (1.05, 1.1, 1.0))]
+    data = json.loads(to_json(cells, goals(cells), {"date": "x"}))
+    assert len(data["cells"]) == 2 and data["cells"][1]["errors"]["throughput"] == pytest.approx(0.05, abs=0.01)
+    assert data["goals"][0]["met"]
+    assert len(table_rows(cells)) == 2 and "+5.0%" in table_rows(cells)[1][5]
+    assert plot(cells, tmp_path / "f.png").stat().st_size > 1000
+
+
+# ---- open-loop arrivals in the load test ---------------------------------------------------------
+def test_open_loop_arrivals_are_the_simulators_for_the_same_seed(tmp_path):
+    from adaptspec.serve.loadtest import Arrivals
+    from adaptspec.sim.runner import _workload
+    from adaptspec.sim.scenario import parse_scenario
+
+    arr = Arrivals(rate_rps=3.0, process="gamma", burstiness=0.5, seed=7)
+    sc = parse_scenario({"name": "t", "seed": 7, "duration_s": 40, "hardware": {"profile": "cpu-smollm2-135m-fp32"},
+                         "drafters": ["ngram"],
+                         "classes": [{"name": "chat", "prompt_tokens": {"dist": "fixed", "value": 8},
+                                      "output_tokens": {"dist": "fixed", "value": 8},
+                                      "acceptance": {"ngram": {"bernoulli": 0.3}}}],
+                         "workload": {"rate": {"kind": "constant", "rps": 3.0},
+                                      "arrival": {"process": "gamma", "burstiness": 0.5}},
+                         "policies": [{"kind": "thompson"}]})
+    req = _workload(sc, tmp_path, None, np.random.default_rng([sc.seed, 1]))
+    np.testing.assert_array_equal(arr.times(40.0), req.arrival_s)
+    assert 80 < req.arrival_s.size < 160
+
+
+def test_load_levels_name_the_bad_option():
+    from adaptspec.serve.cli import load_levels
+    from adaptspec.serve.loadtest import Arrivals
+
+    assert load_levels("1,4", "") == [1, 4]
+    assert load_levels("2", "", think_time=0.5, think="exponential")[0] == Arrivals(clients=2, think_s=0.5,
+                                                                                    think="exponential")
+    assert [a.label for a in load_levels("1", "0.5,2", "gamma", 0.25)] == ["0.5 rps gamma 0.25", "2 rps gamma 0.25"]
+    for args, needle in (((",", ""), "--concurrency"), (("1", "x"), "--rate"), (("1", "-2"), "--rate"),
+                         (("1", "1", "uniform"), "--arrival"), (("1", "", "poisson", 1.0, 0.5, "normal"), "--think")):
+        with pytest.raises(ValueError, match=needle):
+            load_levels(*args)
+    with pytest.raises(ValueError, match="clients"):
+        Arrivals(clients=2, rate_rps=1.0)
+
+
+def _tiny_cfg(tmp_path, tiny_dir, tiny_draft_dir) -> Path:
+    import yaml
+
+    cfg = tmp_path / "cfg.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "models": {"target": str(tiny_dir), "draft": str(tiny_draft_dir)},
+        "controller": {"report_interval_s": 0.05, "max_k": 4},
+        "engine": {"max_num_seqs": 4, "max_model_len": 512, "torch_threads": 1}}))
+    return cfg
+
+
+def test_loadtest_in_process_open_loop_and_think_time(tiny_dir, tiny_draft_dir, tmp_path):
+    """``adaptspec loadtest --in-process --rate``: requests start when due, whatever the engine
+    is doing; with --think-time a client waits that long after each reply."""
+    from typer.testing import CliRunner
+
+    from adaptspec.cli import app
+
+    cfg = _tiny_cfg(tmp_path, tiny_dir, tiny_draft_dir)
+    out = tmp_path / "r.json"
+    common = ["loadtest", "--in-process", "--config", str(cfg), "--max-tokens", "6", "--duration", "0.8",
+              "--warmup", "0.2", "--policies", "static:ngram:2", "--json", str(out)]
+    res = CliRunner().invoke(app, common + ["--rate", "25", "--arrival", "gamma", "--burstiness", "2"])
+    assert res.exit_code == 0, res.output
+    lv = json.loads(out.read_text())["levels"][0]
+    assert lv["rate_rps"] == 25 and lv["concurrency"] == 0 and lv["level"] == "25 rps gamma 2"
+    assert 5 <= lv["requests"] <= 45 and lv["errors"] == 0  # ~20 due in the 0.8 s window
+    res = CliRunner().invoke(app, common + ["--concurrency", "2", "--think-time", "0.3"])
+    assert res.exit_code == 0, res.output
+    lv = json.loads(out.read_text())["levels"][0]
+    # two clients, each at most one request per 0.3 s of thinking: <= 2 * (1 + 1 / 0.3) per second
+    assert lv["think_s"] == 0.3 and 1 <= lv["requests"] <= 2 * (0.8 / 0.3 + 1)
+    bad = CliRunner().invoke(app, common + ["--rate", "0"])
+    assert bad.exit_code == 2 and "--rate" in bad.output
+
+
+# ---- end to end ---------------------------------------------------------------------------------
+def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
+    """``adaptspec fidelity``: a fresh calibration, live runs in-process, the mirror simulated,
+    the report written. Tiny models and sub-second windows: this checks the plumbing, not the
+    fidelity (a step of the tiny model is mostly Python overhead outside the engine's timers)."""
+    from typer.testing import CliRunner
+
+    from adaptspec.cli import app
+
+    cfg = _tiny_cfg(tmp_path, tiny_dir, tiny_draft_dir)
+    out = tmp_path / "fid"
+    res = CliRunner().invoke(app, ["fidelity", "--config", str(cfg), "--out", str(out), "--concurrency", "2",
+                                   "--rate", "20", "--duration", "0.6", "--warmup", "0.2", "--max-tokens", "6",
+                                   "--policies", "thompson,static:ngram:2", "--calibrate-batch", "1,2",
+                                   "--calibrate-ks", "2", "--calibrate-repeats", "1"])
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "fidelity.json").read_text())
+    cells = data["cells"]
+    keys = {(c["policy"], c["level"], c["request_class"]) for c in cells}
+    assert keys == {(p, lv, c) for p in ("thompson", "static:ngram:2") for lv in ("c=2", "20 rps")
+                    for c in ("chat", "code_edit", "extraction", ALL)}
+    for c in cells:
+        assert c["path"] == "in-process" and c["live"]["throughput"] > 0 and c["sim"]["throughput"] > 0
+        assert set(c["errors"]) == {"throughput", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99"}
+        if c["policy"] == "static:ngram:2" and c["request_class"] != ALL:
+            assert c["live"]["top_arm"] == c["sim"]["top_arm"] == "ngram:2"
+    assert [g["name"].split(" ")[0] for g in data["goals"]] == ["throughput", "tpot_p50", "ttft_p50", "adaptive"]
+    assert data["meta"]["acceptance_steps"] > 0 and Path(data["meta"]["profile"]).is_file()
+    for name in ("fidelity.png", "acceptance.json", "prompt_set.csv", "scenario.yaml", "profile.json"):
+        assert (out / name).stat().st_size > 0
+    recording = AcceptanceFile.load(out / "acceptance.json")
+    assert set(recording.classes) == {"chat", "code_edit", "extraction"}
+    # the scenario it wrote runs with `adaptspec simulate`
+    res = CliRunner().invoke(app, ["simulate", str(out / "scenario.yaml")])
+    assert res.exit_code == 0, res.output
