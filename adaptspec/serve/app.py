@@ -55,24 +55,21 @@ def build_app(config: ServiceConfig):
     ).bind(args, controller, drafter)
 
 
-CONTROL_CALLS = 8  # ongoing calls per replica beyond the engine's capacity: stats, policy, health
-
-
 def target_options(config: ServiceConfig) -> dict:
     """Serve options of the TargetEngine deployment that follow the engine's capacity.
 
-    ``max_ongoing_requests`` is what one replica's engine holds (KV slots + its queue) plus
-    ``CONTROL_CALLS``: Serve's router sends each call to the less loaded of two replicas
-    (power of two choices) and never past that limit, so a busy replica's calls go to an
-    idle one instead of to an engine that can only refuse them (it used to be 1,024 against
-    an engine holding 80). The few calls of headroom keep stats, policy and health calls
-    (served by the same replicas) answering on a full replica; a Generate that lands in
-    them is refused at once (RESOURCE_EXHAUSTED: every replica the router looked at is
-    full), and beyond them Serve holds up to ``max_queued_requests`` calls per proxy before
-    refusing. Autoscaling, when configured, aims at ``target_ongoing_requests`` per replica
-    (default: the KV slots, so a replica is added as requests start to wait)."""
+    ``max_ongoing_requests`` is exactly what one replica's engine holds (KV slots + its
+    queue; it used to be 1,024 against an engine holding 80). Serve's router never sends a
+    replica more, so a call goes to a replica with room (the proxy prefers the replicas on
+    its own node, then any other: without this limit a proxy's local replica took every call
+    and refused what its engine could not hold while others idled). When every replica is
+    full, each proxy holds up to ``max_queued_requests`` calls until one frees, then answers
+    RESOURCE_EXHAUSTED. Stats, policy and health calls count as ongoing requests too: on a
+    deployment whose every replica is full they wait their turn (the Kubernetes probes go to
+    the proxies, not here). Autoscaling, when configured, aims at ``target_ongoing_requests``
+    per replica (default: the KV slots, so a replica is added as requests start to wait)."""
     eng, tgt = config.engine, config.target
-    opts: dict = {"max_ongoing_requests": eng.max_num_seqs + eng.max_queued + CONTROL_CALLS,
+    opts: dict = {"max_ongoing_requests": eng.max_num_seqs + eng.max_queued,
                   "max_queued_requests": tgt.max_queued_requests if tgt.max_queued_requests is not None
                   else max(eng.max_queued, 1)}
     if tgt.autoscaling is None:

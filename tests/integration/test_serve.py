@@ -194,14 +194,19 @@ def test_full_queue_is_resource_exhausted_and_cancel_frees_slots(service):
     # the proxy does not keep call order, so which requests run and which wait is not known:
     # wait for all of them to be in flight (400 tokens each: the config's limit, seconds of
     # work) rather than reading from the "first" ones
-    streams = [_long(client) for _ in range(MAX_NUM_SEQS + MAX_QUEUED)]
-    # in_flight counts the replica's streams, free_slots its scheduler: the engine admits a
-    # request a little after its stream opens, so wait for both (MAX_NUM_SEQS running, the rest queued)
-    _wait_for(lambda: (r := client.stats().replicas[0]).in_flight == MAX_NUM_SEQS + MAX_QUEUED and r.free_slots == 0,
-              "a full queue")
-    with pytest.raises(grpc.RpcError) as err:
-        client.generate(prompt_token_ids=[1, 2], max_tokens=4, timeout=30)
-    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # Serve sends a replica no more calls than its engine holds (max_ongoing_requests =
+    # max_num_seqs + max_queued) and the proxy then holds up to max_queued_requests (default
+    # max_queued) before refusing: fill both (stats calls would wait in that queue too)
+    streams = [_long(client) for _ in range(MAX_NUM_SEQS + 2 * MAX_QUEUED)]
+
+    def refused():  # a probe waiting in the proxy's queue times out: the queue is not full yet
+        try:
+            client.generate(prompt_token_ids=[1, 2], max_tokens=4, timeout=0.5)
+        except grpc.RpcError as e:
+            assert e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED), e.details()
+            return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        return False  # a stream ended and the probe took its place
+    _wait_for(refused, "RESOURCE_EXHAUSTED once the replica and the proxy's queue are full")
     for s in streams:
         s.cancel()
     _wait_for(lambda: _idle(client), "cancelled requests to free their slots")
