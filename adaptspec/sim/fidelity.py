@@ -48,10 +48,13 @@ class Row:
 
 @dataclass(slots=True)
 class Run:
-    """The requests of one run and its measured window."""
+    """The requests of one run and its measured window; the engine steps that ended in it
+    (how many, and their summed wall seconds: the engine's busy time)."""
 
     rows: list[Row]
     window: tuple[float, float]
+    steps: int = 0
+    step_wall_s: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -81,6 +84,8 @@ class SideMetrics:
     tpot_p99: float
     arms: dict[str, float] = field(default_factory=dict)  # arm -> share of request-steps
     top_arm: str = "-"
+    step_ms: float = math.nan  # mean engine step (all classes of the run)
+    busy: float = math.nan  # the engine's share of the window spent in steps
 
     def value(self, metric: str) -> float:
         return getattr(self, metric)
@@ -118,8 +123,10 @@ def side_metrics(runs: Iterable[Run], request_class: str | None,
     arms = dict(row_arms if arm_steps is None else arm_steps)
     total = sum(arms.values())
     share = {a: n / total for a, n in sorted(arms.items(), key=lambda kv: -kv[1])} if total > 0 else {}
+    steps, wall = sum(r.steps for r in runs), sum(r.step_wall_s for r in runs)
     return SideMetrics(done, tokens / seconds if seconds > 0 else math.nan, pct(ttft, 50), pct(ttft, 99),
-                       pct(tpot, 50), pct(tpot, 99), share, next(iter(share), "-"))
+                       pct(tpot, 50), pct(tpot, 99), share, next(iter(share), "-"),
+                       1e3 * wall / steps if steps else math.nan, wall / seconds if steps and seconds > 0 else math.nan)
 
 
 # ---- live against simulated ------------------------------------------------------------------
@@ -197,6 +204,25 @@ def _fmt(x: float, scale: float = 1.0, digits: int = 1) -> str:
 
 def _err(x: float) -> str:
     return "-" if math.isnan(x) else f"{100 * x:+.1f}%"
+
+
+STEP_HEAD = ["path", "policy", "level", "steps/s live/sim", "step ms live/sim (err)", "engine busy live/sim"]
+
+
+def step_rows(cells: list[Cell]) -> list[list[str]]:
+    """Per level, the engine's steps live and simulated (from the ALL rows): a throughput
+    error with the step time right points at acceptance or scheduling; with busy < 1 live,
+    at time outside the engine's steps (the load generator's own work)."""
+    rows = []
+    for c in cells:
+        if c.request_class != ALL:
+            continue
+        rate = [x.busy / (x.step_ms / 1e3) if x.step_ms > 0 else math.nan for x in (c.live, c.sim)]
+        rows.append([c.path, c.policy, c.level, f"{_fmt(rate[0])}/{_fmt(rate[1])}",
+                     f"{_fmt(c.live.step_ms, 1, 2)}/{_fmt(c.sim.step_ms, 1, 2)} "
+                     f"({_err(rel_error(c.sim.step_ms, c.live.step_ms))})",
+                     f"{_fmt(c.live.busy, 1, 2)}/{_fmt(c.sim.busy, 1, 2)}"])
+    return rows
 
 
 TABLE_HEAD = ["path", "policy", "level", "class", "req live/sim", "tok/s live/sim (err)", "TTFT p50 ms (err)",
@@ -339,13 +365,29 @@ def simulate_level(level: SimLevel, *, policy, cost, truths, classes, prompt_set
         req = Requests(t, p, o, cls)
         out = simulate(RunSetup(cost, truths, req, 1, "least_loaded", max_k, horizon, drain_s, bin_s, seed), policy)
     window = (warmup_s, horizon)
-    return Run(rows_from_sim(req, out.recorder, names), window), sim_arm_steps(out.recorder, names, window)
+    ends, walls = np.asarray(out.recorder.step_end), np.asarray(out.recorder.step_wall)
+    inside = (ends >= window[0]) & (ends <= window[1])
+    return (Run(rows_from_sim(req, out.recorder, names), window, int(inside.sum()), float(walls[inside].sum())),
+            sim_arm_steps(out.recorder, names, window))
+
+
+def recorded_steps(recording, request_class: str, drafter: str) -> int:
+    rec = recording.classes.get(request_class, {}).get(drafter)
+    return int(sum(np.asarray(h).sum() for h in rec.joint.values())) if rec is not None else 0
+
+
+def acceptance_source(recording, request_class: str, drafter: str) -> str | None:
+    """The recorded class whose ``drafter`` acceptance ``request_class`` takes: its own, else
+    the class with the most request-steps of that drafter (None: the drafter never ran)."""
+    if recorded_steps(recording, request_class, drafter) > 0:
+        return request_class
+    best = max(recording.classes, key=lambda c: recorded_steps(recording, c, drafter), default=None)
+    return best if best is not None and recorded_steps(recording, best, drafter) > 0 else None
 
 
 def truths_from_recording(recording, class_names: list[str], drafters: Iterable[str], min_steps: int = 30):
-    """``ClassTruth`` per class from an ``AcceptanceFile``; a (class, drafter) never recorded
-    takes that drafter's acceptance pooled over the other classes, or none (0) if it never
-    ran. Returns the truths and a note per fallback."""
+    """``ClassTruth`` per class from an ``AcceptanceFile`` (``acceptance_source`` says whose;
+    a drafter that never ran accepts nothing). Returns the truths and a note per fallback."""
     from adaptspec.sim.acceptance import BernoulliAcceptance
     from adaptspec.sim.acceptance_replay import RecordedAcceptance
     from adaptspec.sim.replica import ClassTruth
@@ -355,20 +397,13 @@ def truths_from_recording(recording, class_names: list[str], drafters: Iterable[
     for name in class_names:
         acc = {}
         for d in drafters:
-            rec = recording.classes.get(name, {}).get(d)
-            if rec is not None and RecordedAcceptance.from_record(rec, min_steps).steps > 0:
-                acc[d] = RecordedAcceptance.from_record(rec, min_steps)
-                continue
-            pooled: dict[int, np.ndarray] = {}
-            for per in recording.classes.values():
-                if d in per:
-                    for k, h in per[d].joint.items():
-                        pooled[k] = pooled.get(k, 0) + np.asarray(h)
-            if pooled and sum(int(h.sum()) for h in pooled.values()) > 0:
-                acc[d] = RecordedAcceptance(pooled, min_steps)
-                notes.append(f"{name}/{d}: not recorded; the other classes' {d} acceptance pooled")
-            else:
+            src = acceptance_source(recording, name, d)
+            if src is None:
                 acc[d] = BernoulliAcceptance(0.0)
                 notes.append(f"{name}/{d}: {d} never ran live; acceptance 0")
+                continue
+            acc[d] = RecordedAcceptance.from_record(recording.classes[src][d], min_steps)
+            if src != name:
+                notes.append(f"{name}/{d}: not recorded; {src}'s {d} acceptance instead")
         truths.append(ClassTruth(name, acc))
     return truths, notes

@@ -59,7 +59,7 @@ def fidelity(
     from rich.table import Table
 
     from adaptspec.serve.cli import load_levels
-    from adaptspec.sim.fidelity import TABLE_HEAD, plot, table_rows
+    from adaptspec.sim.fidelity import STEP_HEAD, TABLE_HEAD, plot, step_rows, table_rows
     from adaptspec.sim.fidelity_run import FidelityOptions, run_fidelity
 
     levels = load_levels(concurrency, "", think_time=think_time, think=think, seed=arrival_seed) if concurrency else []
@@ -88,6 +88,12 @@ def fidelity(
     for row in table_rows(cells):
         t.add_row(*row)
     console.print(t)
+    st = Table(title="engine steps per level (all classes)")
+    for h in STEP_HEAD:
+        st.add_column(h)
+    for row in step_rows(cells):
+        st.add_row(*row)
+    console.print(st)
     for g in goal_list:
         console.print(f"{'[green]met[/green]' if g.met else '[red]missed[/red]'}  {g.name}: {g.detail}")
         for m in g.misses[:8]:

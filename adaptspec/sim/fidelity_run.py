@@ -25,13 +25,15 @@ import json
 import math
 import os
 import platform
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from adaptspec.sim.fidelity import (
-    ALL, Cell, Row, Run, SimLevel, goals, make_cell, side_metrics, simulate_level, to_json, truths_from_recording,
+    ALL, Cell, Row, Run, SimLevel, acceptance_source, goals, make_cell, side_metrics, simulate_level, to_json,
+    truths_from_recording,
 )
 
 
@@ -126,7 +128,22 @@ def calibrate_for(cfg, out: Path, opts: FidelityOptions) -> Path:
                      repeats=opts.calibrate_repeats, batch_sizes=batch, ks=ks, prefill=True)
 
 
-def _live_levels(opts: FidelityOptions, spec, console, *, current, switch, run_one) -> tuple[dict, list]:
+class StepLog:
+    """An engine step listener: (perf_counter at the step's end, its wall seconds) per step."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[float, float]] = []
+
+    def __call__(self, st) -> None:
+        self.steps.append((time.perf_counter(), st.wall_s))
+
+    def inside(self, w0: float, w1: float) -> tuple[int, float]:
+        walls = [wall for t, wall in self.steps if w0 <= t <= w1]
+        return len(walls), float(sum(walls))
+
+
+def _live_levels(opts: FidelityOptions, spec, console, *, current, switch, run_one,
+                 step_log: StepLog | None = None) -> tuple[dict, list]:
     """Every (level, policy) run, interleaved as the load test does; returns
     {(policy, level label): [Run]} and the load test's summaries."""
     from adaptspec.serve.cli import _interleaved_levels
@@ -136,8 +153,11 @@ def _live_levels(opts: FidelityOptions, spec, console, *, current, switch, run_o
 
     def capture(n):
         got, window = run_one(n)
-        runs.setdefault((current(), as_arrivals(n).label), []).append(Run(rows_from_records(got),
-                                                                          (window.start_s, window.end_s)))
+        steps, wall = step_log.inside(window.start_s, window.end_s) if step_log is not None else (0, 0.0)
+        runs.setdefault((current(), as_arrivals(n).label), []).append(
+            Run(rows_from_records(got), (window.start_s, window.end_s), steps, wall))
+        if step_log is not None:
+            step_log.steps.clear()
         return got, window
 
     summaries = _interleaved_levels(opts.levels, opts.policies, opts.rounds, opts.fresh, spec, console,
@@ -235,7 +255,7 @@ def _sum_arms(per_class) -> dict[str, float]:
     return out
 
 
-def scenario_yaml(opts: FidelityOptions, cfg, profile: str, recording: str, prompt_set: str) -> dict:
+def scenario_yaml(opts: FidelityOptions, cfg, profile: str, recording, recording_file: str, prompt_set: str) -> dict:
     """A scenario ``adaptspec simulate`` runs: the closed-loop levels as a clients sweep (the
     open-loop levels and per-level think times are the command's own; the policies as close as
     the scenario schema writes them: thompson seeds its cost model from the calibrated profile
@@ -256,7 +276,12 @@ def scenario_yaml(opts: FidelityOptions, cfg, profile: str, recording: str, prom
             pols.append({"kind": "ucb"})
     classes = []
     for c in opts.classes:
-        cc = {"name": c, "acceptance": {d: {"recorded": {"file": recording}} for d in cfg.drafters}}
+        acc = {}
+        for d in cfg.drafters:
+            src = acceptance_source(recording, c, d)
+            acc[d] = ({"bernoulli": 0.0} if src is None else
+                      {"recorded": {"file": recording_file, **({} if src == c else {"request_class": src})}})
+        cc = {"name": c, "acceptance": acc}
         tc = next((x for x in cfg.classes if x.name == c), None)
         if tc is not None and (tc.tpot_s or tc.ttft_s):
             cc["target"] = {k: v for k, v in (("tpot_s", tc.tpot_s), ("ttft_s", tc.ttft_s)) if v}
@@ -314,12 +339,13 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     spec = LoadSpec(list(opts.classes), opts.max_tokens)
     with console.status("loading the models"):
         svc = InProcessService(cfg, torch_threads=opts.torch_threads)
-    recorder = AcceptanceRecorder()
-    svc.engine.step_listeners.append(recorder.observe_step)
+    recorder, step_log = AcceptanceRecorder(), StepLog()
+    svc.engine.step_listeners += [recorder.observe_step, step_log]
     live = {"in-process": _live_levels(opts, spec, console, current=svc.policy,
                                        switch=lambda p, reset: svc.update_policy(p, reset=reset),
                                        run_one=lambda n: svc.run_level(n, opts.duration_s, spec,
-                                                                       warmup_s=opts.warmup_s))}
+                                                                       warmup_s=opts.warmup_s),
+                                       step_log=step_log)}
     recording = recorder.to_file(f"{cfg.models.target} + {cfg.models.draft or 'no draft'} ({cfg.models.dtype}, "
                                  f"{cfg.models.device}), {started:%Y-%m-%d %H:%M %Z}, {recorder.steps} steps")
     recording.save(out / "acceptance.json")
@@ -353,7 +379,7 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     }
     (out / "fidelity.json").write_text(to_json(cells, goal_list, meta))
     (out / "scenario.yaml").write_text(yaml.safe_dump(scenario_yaml(opts, cfg, str(Path(profile_path).resolve()),
-                                                                    "acceptance.json", "prompt_set.csv"),
+                                                                    recording, "acceptance.json", "prompt_set.csv"),
                                                       sort_keys=False))
     return cells, goal_list, meta
 

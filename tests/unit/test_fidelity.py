@@ -300,3 +300,29 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
     # the scenario it wrote runs with `adaptspec simulate`
     res = CliRunner().invoke(app, ["simulate", str(out / "scenario.yaml")])
     assert res.exit_code == 0, res.output
+
+
+def test_step_rows_report_the_engine_per_level():
+    from adaptspec.sim.fidelity import step_rows
+
+    live = side_metrics([Run(_rows(0.1, 0.02, 5), (0.0, 10.0), steps=400, step_wall_s=8.0)], None)
+    sim = side_metrics([Run(_rows(0.1, 0.02, 5), (0.0, 10.0), steps=500, step_wall_s=9.0)], None)
+    assert live.step_ms == pytest.approx(20.0) and live.busy == pytest.approx(0.8)
+    row = step_rows([make_cell("in-process", "thompson", "c=4", ALL, True, live, sim)])[0]
+    assert row[3] == "40.0/50.0" and row[4].startswith("20.00/18.00 (-10.0%)") and row[5] == "0.80/0.90"
+
+
+def test_an_unrecorded_class_takes_the_busiest_recorded_class_of_that_drafter():
+    from adaptspec.sim.acceptance import BernoulliAcceptance
+    from adaptspec.sim.fidelity import acceptance_source, truths_from_recording
+
+    rec = AcceptanceRecorder()
+    for cls, n in (("a", 3), ("b", 5)):
+        for _ in range(n):
+            rec.observe(cls, "ngram", 2, 2, 1)
+    f = rec.to_file()
+    assert [acceptance_source(f, c, "ngram") for c in ("a", "b", "c")] == ["a", "b", "b"]
+    assert acceptance_source(f, "a", "draft") is None
+    truths, notes = truths_from_recording(f, ["a", "c"], ["ngram", "draft"])
+    assert truths[1].acceptance["ngram"].steps == 5 and isinstance(truths[0].acceptance["draft"], BernoulliAcceptance)
+    assert any(n.startswith("c/ngram") for n in notes) and any(n.startswith("a/draft") for n in notes)
