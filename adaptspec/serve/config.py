@@ -18,7 +18,9 @@ APP_IMPORT_PATH = "adaptspec.serve.app:app_builder"
 # the proxy registers these; Serve routes every method of them to the app's ingress deployment
 # (TargetEngine), which implements AdaptSpec and the standard grpc.health.v1.Health
 SERVICER_FUNCTIONS = ["adaptspec.proto.adaptspec_pb2_grpc.add_AdaptSpecServicer_to_server",
-                      "adaptspec.proto.health_pb2_grpc.add_HealthServicer_to_server"]
+                      "adaptspec.proto.health_pb2_grpc.add_HealthServicer_to_server",
+                      # registers nothing: makes the proxy answer UNAVAILABLE for a lost replica
+                      "adaptspec.serve.proxy_status.add_to_server"]
 
 
 def _is_draft_head(spec: str | None) -> bool:
