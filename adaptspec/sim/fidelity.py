@@ -48,17 +48,28 @@ class Row:
 
 @dataclass(slots=True)
 class Run:
-    """The requests of one run and its measured window; the engine steps that ended in it
-    (how many, and their summed wall seconds: the engine's busy time)."""
+    """The requests of one run and its measured window, and its engine steps there (see
+    ``step_time``)."""
 
     rows: list[Row]
     window: tuple[float, float]
-    steps: int = 0
-    step_wall_s: float = 0.0
+    steps: int = 0  # engine steps that ended inside the window
+    step_wall_s: float = 0.0  # their wall seconds
+    busy_s: float = 0.0  # seconds of the window inside some step
 
     @property
     def seconds(self) -> float:
         return self.window[1] - self.window[0]
+
+
+def step_time(ends, walls, window: tuple[float, float]) -> tuple[int, float, float]:
+    """(steps that ended inside ``window``, their wall seconds, seconds of the window in steps)."""
+    ends, walls = np.asarray(ends, dtype=float), np.asarray(walls, dtype=float)
+    if ends.size == 0:
+        return 0, 0.0, 0.0
+    inside = (ends >= window[0]) & (ends <= window[1])
+    overlap = np.clip(np.minimum(ends, window[1]) - np.maximum(ends - walls, window[0]), 0.0, None)
+    return int(inside.sum()), float(walls[inside].sum()), float(overlap.sum())
 
 
 def tokens_in_window(r: Row, w0: float, w1: float) -> int:
@@ -123,10 +134,10 @@ def side_metrics(runs: Iterable[Run], request_class: str | None,
     arms = dict(row_arms if arm_steps is None else arm_steps)
     total = sum(arms.values())
     share = {a: n / total for a, n in sorted(arms.items(), key=lambda kv: -kv[1])} if total > 0 else {}
-    steps, wall = sum(r.steps for r in runs), sum(r.step_wall_s for r in runs)
+    steps, wall, busy = (sum(getattr(r, f) for r in runs) for f in ("steps", "step_wall_s", "busy_s"))
     return SideMetrics(done, tokens / seconds if seconds > 0 else math.nan, pct(ttft, 50), pct(ttft, 99),
                        pct(tpot, 50), pct(tpot, 99), share, next(iter(share), "-"),
-                       1e3 * wall / steps if steps else math.nan, wall / seconds if steps and seconds > 0 else math.nan)
+                       1e3 * wall / steps if steps else math.nan, busy / seconds if steps and seconds > 0 else math.nan)
 
 
 # ---- live against simulated ------------------------------------------------------------------
@@ -150,7 +161,8 @@ class Cell:
 
     @property
     def same_top_arm(self) -> bool:
-        return self.live.top_arm == self.sim.top_arm
+        """Both sides ran the class and chose the same arm most ("-": no steps of it)."""
+        return self.live.top_arm == self.sim.top_arm != "-"
 
 
 def make_cell(path: str, policy: str, level: str, request_class: str, adaptive: bool, live: SideMetrics,
@@ -292,7 +304,8 @@ def plot(cells: list[Cell], path: str | Path, title: str = "simulator fidelity")
                 ax.set_yscale("log")
         unit = "tok/s" if m == "throughput" else "ms"
         ax.set(xlabel=f"live {m} ({unit})", ylabel=f"simulated {m} ({unit})", title=m)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     path = Path(path)
@@ -365,9 +378,8 @@ def simulate_level(level: SimLevel, *, policy, cost, truths, classes, prompt_set
         req = Requests(t, p, o, cls)
         out = simulate(RunSetup(cost, truths, req, 1, "least_loaded", max_k, horizon, drain_s, bin_s, seed), policy)
     window = (warmup_s, horizon)
-    ends, walls = np.asarray(out.recorder.step_end), np.asarray(out.recorder.step_wall)
-    inside = (ends >= window[0]) & (ends <= window[1])
-    return (Run(rows_from_sim(req, out.recorder, names), window, int(inside.sum()), float(walls[inside].sum())),
+    return (Run(rows_from_sim(req, out.recorder, names), window, *step_time(out.recorder.step_end,
+                                                                             out.recorder.step_wall, window)),
             sim_arm_steps(out.recorder, names, window))
 
 

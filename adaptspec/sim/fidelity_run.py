@@ -32,8 +32,8 @@ from pathlib import Path
 import numpy as np
 
 from adaptspec.sim.fidelity import (
-    ALL, Cell, Row, Run, SimLevel, acceptance_source, goals, make_cell, side_metrics, simulate_level, to_json,
-    truths_from_recording,
+    ALL, Cell, Row, Run, SimLevel, acceptance_source, goals, make_cell, side_metrics, simulate_level, step_time,
+    to_json, truths_from_recording,
 )
 
 
@@ -137,9 +137,9 @@ class StepLog:
     def __call__(self, st) -> None:
         self.steps.append((time.perf_counter(), st.wall_s))
 
-    def inside(self, w0: float, w1: float) -> tuple[int, float]:
-        walls = [wall for t, wall in self.steps if w0 <= t <= w1]
-        return len(walls), float(sum(walls))
+    def inside(self, w0: float, w1: float) -> tuple[int, float, float]:
+        """``step_time`` of the logged steps over [w0, w1]."""
+        return step_time([t for t, _ in self.steps], [w for _, w in self.steps], (w0, w1))
 
 
 def _live_levels(opts: FidelityOptions, spec, console, *, current, switch, run_one,
@@ -153,9 +153,9 @@ def _live_levels(opts: FidelityOptions, spec, console, *, current, switch, run_o
 
     def capture(n):
         got, window = run_one(n)
-        steps, wall = step_log.inside(window.start_s, window.end_s) if step_log is not None else (0, 0.0)
+        steps = step_log.inside(window.start_s, window.end_s) if step_log is not None else (0, 0.0, 0.0)
         runs.setdefault((current(), as_arrivals(n).label), []).append(
-            Run(rows_from_records(got), (window.start_s, window.end_s), steps, wall))
+            Run(rows_from_records(got), (window.start_s, window.end_s), *steps))
         if step_log is not None:
             step_log.steps.clear()
         return got, window

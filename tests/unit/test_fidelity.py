@@ -178,6 +178,9 @@ def test_a_cell_without_values_misses_and_the_all_rows_are_not_judged():
     c = make_cell("in-process", "static:none:0", "c=1", "a", False, empty, empty)
     assert math.isnan(c.errors["tpot_p50"])
     assert not goals([c])[0].met and "(no value)" in goals([c])[0].misses[0]
+    idle = make_cell("in-process", "thompson", "c=1", "a", True, empty, empty)
+    assert not idle.same_top_arm  # no arm on either side is no agreement
+    assert not goals([idle])[-1].met
     bad_all = _cell("static:none:0", ALL, live_scale=(2.0, 2.0, 2.0))
     assert all(g.met for g in goals([_cell("static:none:0", "a"), bad_all])[:3])
 
@@ -305,8 +308,13 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
 def test_step_rows_report_the_engine_per_level():
     from adaptspec.sim.fidelity import step_rows
 
-    live = side_metrics([Run(_rows(0.1, 0.02, 5), (0.0, 10.0), steps=400, step_wall_s=8.0)], None)
-    sim = side_metrics([Run(_rows(0.1, 0.02, 5), (0.0, 10.0), steps=500, step_wall_s=9.0)], None)
+    from adaptspec.sim.fidelity import step_time
+
+    # a step of 1 s ending at 0.5 is half inside [0, 10]; one ending at 10.5 is not counted but
+    # its first half is busy time inside
+    assert step_time([0.5, 5.0, 10.5], [1.0, 1.0, 1.0], (0.0, 10.0)) == (2, 2.0, 2.0)
+    live = side_metrics([Run(_rows(0.1, 0.02, 5), (0.0, 10.0), steps=400, step_wall_s=8.0, busy_s=8.0)], None)
+    sim = side_metrics([Run(_rows(0.1, 0.02, 5), (0.0, 10.0), steps=500, step_wall_s=9.0, busy_s=9.0)], None)
     assert live.step_ms == pytest.approx(20.0) and live.busy == pytest.approx(0.8)
     row = step_rows([make_cell("in-process", "thompson", "c=4", ALL, True, live, sim)])[0]
     assert row[3] == "40.0/50.0" and row[4].startswith("20.00/18.00 (-10.0%)") and row[5] == "0.80/0.90"
