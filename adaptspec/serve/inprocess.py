@@ -107,11 +107,12 @@ class InProcessService:
             rid = eng.add_request(prompt, params, _spec(snap.arm_for(cls), self.drafters), request_class=cls)
             records[rid] = RequestRecord(cls, 0.0, 0.0, 0, start_s=due, prompt_index=idx)
 
+        offsets = arr.times(warmup_s + duration_s) if arr.open else np.zeros(arr.clients)  # before the clock
         t0 = time.perf_counter()
         window = Window(t0 + warmup_s, t0 + warmup_s + duration_s)
         # when each next request is due (perf_counter): open loop, all of them; closed loop, one per
         # client waiting to send
-        due = list(t0 + arr.times(warmup_s + duration_s)) if arr.open else [t0] * arr.clients
+        due = list(t0 + offsets)
         heapq.heapify(due)
         think = np.random.default_rng([arr.seed, 2])
         last = time.perf_counter()

@@ -202,6 +202,7 @@ def run_level(client: Client, concurrency: "int | Arrivals", duration_s: float, 
     ``duration_s``)."""
     arr = as_arrivals(concurrency)
     prompts = bench_prompts()
+    offsets = arr.times(warmup_s + duration_s) if arr.open else None  # drawn before the clock starts
     t0 = time.perf_counter()
     window = Window(t0 + warmup_s, t0 + warmup_s + duration_s)
     records: list[RequestRecord] = []
@@ -218,7 +219,7 @@ def run_level(client: Client, concurrency: "int | Arrivals", duration_s: float, 
         return rec
 
     if arr.open:
-        return _run_open(arr, send, t0, window), window
+        return _run_open(offsets, send, t0), window
 
     def worker(w: int) -> None:
         i = w
@@ -240,15 +241,15 @@ def run_level(client: Client, concurrency: "int | Arrivals", duration_s: float, 
     return records, window
 
 
-def _run_open(arr: Arrivals, send, t0: float, window: Window, max_in_flight: int = 512) -> list[RequestRecord]:
-    """Send request ``i`` at ``t0 + arr.times(...)[i]`` from a pool of threads (a request the
-    pool cannot start at once starts late, and its TTFT counts from then: keep the rate below
-    what ``max_in_flight`` streams can carry)."""
+def _run_open(offsets: np.ndarray, send, t0: float, max_in_flight: int = 512) -> list[RequestRecord]:
+    """Send request ``i`` at ``t0 + offsets[i]`` from a pool of threads (a request the pool
+    cannot start at once starts late, and its TTFT counts from then: keep the rate below what
+    ``max_in_flight`` streams can carry)."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=max_in_flight, thread_name_prefix="loadtest") as pool:
         futures = []
-        for i, at in enumerate(arr.times(window.end_s - t0)):
+        for i, at in enumerate(offsets):
             delay = t0 + at - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)

@@ -334,3 +334,57 @@ def test_an_unrecorded_class_takes_the_busiest_recorded_class_of_that_drafter():
     truths, notes = truths_from_recording(f, ["a", "c"], ["ngram", "draft"])
     assert truths[1].acceptance["ngram"].steps == 5 and isinstance(truths[0].acceptance["draft"], BernoulliAcceptance)
     assert any(n.startswith("c/ngram") for n in notes) and any(n.startswith("a/draft") for n in notes)
+
+
+class _FakeStream:
+    """What ``Client.stream`` returns: chunks of a request (two tokens, 20 ms apart)."""
+
+    def __init__(self):
+        import time as _t
+
+        self._t = _t
+
+    def __iter__(self):
+        for i in range(2):
+            self._t.sleep(0.02)
+            yield NS(token_ids=[1], finished=i == 1, speculation=NS(arms=[NS(arm="none:0", steps=2)]))
+
+    def cancel(self):
+        pass
+
+
+class _FakeClient:
+    def __init__(self):
+        self.sent = []
+
+    def stream(self, prompt, **kw):
+        import time as _t
+
+        self.sent.append((_t.perf_counter(), kw["request_class"], prompt))
+        return _FakeStream()
+
+
+def test_grpc_load_generator_sends_open_loop_arrivals_on_time_and_clients_think():
+    """The gRPC side's scheduling, against a stand-in for the service (the service itself is
+    covered by the integration tests): open-loop requests go out at their arrival times
+    whatever the replies do; a thinking client waits after each reply."""
+    import time as _t
+
+    from adaptspec.serve.loadtest import Arrivals, LoadSpec, bench_prompts, pick_prompt, run_level
+
+    spec = LoadSpec(["chat", "code_edit"], max_tokens=2)
+    arr = Arrivals(rate_rps=40.0, seed=3)
+    client = _FakeClient()
+    t0 = _t.perf_counter()
+    recs, window = run_level(client, arr, 0.5, spec, warmup_s=0.1)
+    due = arr.times(0.6)
+    assert len(client.sent) == due.size and len(recs) == due.size
+    lateness = np.array(sorted(t for t, _, _ in client.sent)) - (t0 + due)
+    assert lateness.min() > -0.005  # none goes before it is due (how late depends on the machine's load)
+    prompts = bench_prompts()
+    assert sorted((r.request_class, r.prompt_index) for r in recs) == sorted(
+        pick_prompt(prompts, spec.classes, i)[:2] for i in range(due.size))
+    client = _FakeClient()
+    recs, _ = run_level(client, Arrivals(clients=2, think_s=0.2), 0.5, spec)
+    # each client: a 40 ms request, then 0.2 s of thinking: at most 3 requests each in 0.5 s
+    assert 2 <= len(client.sent) <= 6
