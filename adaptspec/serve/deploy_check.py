@@ -22,6 +22,7 @@ Needs the test extra (``kubernetes``, ``jsonschema``, ``promql-parser``).
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -144,10 +145,13 @@ def _walk(data, type_name: str, where: str) -> list[str]:
 
 
 # ---- CRD schemas ------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=4)
 def crd_schema(crd_path: Path, api_version: str) -> dict:
+    """The CRD's schema for ``api_version`` (the file is a megabyte of YAML: parsed once)."""
     import yaml
 
-    crd = yaml.safe_load(Path(crd_path).read_text())
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    crd = yaml.load(Path(crd_path).read_text(), Loader=loader)  # noqa: S506 - a safe loader
     version = api_version.split("/")[1]
     return next(v for v in crd["spec"]["versions"] if v["name"] == version)["schema"]["openAPIV3Schema"]
 
