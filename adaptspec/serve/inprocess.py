@@ -139,6 +139,7 @@ class InProcessService:
                 if o.finished:
                     rec.e2e_s = now - rec.start_s
                     rec.arms = dict(o.stats.arms) if o.stats is not None else {}
+                    rec.cached_tokens = int(getattr(o.stats, "cached_prompt_tokens", 0) or 0)
                     done.append(records.pop(o.request_id))
                     if not arr.open:
                         heapq.heappush(due, now + arr.pause(think))

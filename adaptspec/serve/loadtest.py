@@ -48,6 +48,7 @@ class RequestRecord:
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens) per chunk
     cut: bool = False  # cancelled at the end of the measured window (not an error)
     prompt_index: int = -1  # which prompt of its class's pool (bench_prompts)
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache served (in-process, when it says)
 
     @property
     def tpot_s(self) -> float:

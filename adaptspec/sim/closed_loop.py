@@ -6,7 +6,8 @@ those in flight finish in the drain). Arrivals therefore depend on the service's
 so the requests are made during the run, not drawn up front as open-loop arrivals are.
 
 A prompt set gives each class's prompts as (prompt tokens, output tokens) rows in the
-order the load test sends them: with ``order: round_robin`` the n-th request overall takes
+order the load test sends them (less the prompt tokens a prefix cache served, when the
+row says: the simulator prefills the rest): with ``order: round_robin`` the n-th request overall takes
 class ``n mod C`` and that class's prompt ``(n div C) mod len(pool)``, which is what the
 in-process load test does with its counter (the gRPC load test's clients interleave the
 same sequence).
@@ -60,11 +61,14 @@ def read_prompt_set(spec: PromptSetSpec, base: Path, classes: list[ClassSpec]) -
                 continue  # a class the scenario does not run
             try:
                 p, o = int(float(row["num_prefill_tokens"])), int(float(row["num_decode_tokens"]))
+                cached = int(float(row.get("num_cached_tokens") or 0))
             except ValueError:
                 raise ValueError(f"workload.prompt_set.path: {path} line {line}: token counts must be numbers") from None
-            if p < 1 or o < 1:
-                raise ValueError(f"workload.prompt_set.path: {path} line {line}: token counts must be >= 1")
-            rows[i].append((p, o))
+            if p < 1 or o < 1 or not 0 <= cached:
+                raise ValueError(f"workload.prompt_set.path: {path} line {line}: token counts must be >= 1 "
+                                 f"(cached >= 0)")
+            # the simulator has no prefix cache: what one served is not prefilled (one token always is)
+            rows[i].append((max(p - cached, 1), o))
     missing = [c.name for c, r in zip(classes, rows) if c.weight > 0 and not r]
     if missing:
         raise ValueError(f"workload.prompt_set.path: {path} has no prompts of classes {missing}")

@@ -44,6 +44,7 @@ class Row:
     chunks: list[tuple[float, int]] | None = None  # (time, tokens) as they arrived, when known
     prompt_index: int = -1
     arms: dict[str, int] = field(default_factory=dict)  # live: request-steps per arm ("drafter:k")
+    cached_tokens: int = 0  # live: prompt tokens the prefix cache served
 
 
 @dataclass(slots=True)

@@ -71,33 +71,36 @@ def rows_from_records(records) -> list[Row]:
         error = bool(r.error)
         rows.append(Row(r.request_class, r.start_s, r.start_s + r.ttft_s if r.ttft_s > 0 else math.nan,
                         r.start_s + r.e2e_s if not (r.cut or error) else math.nan, r.tokens, r.cut, error,
-                        list(r.chunks), r.prompt_index, dict(r.arms)))
+                        list(r.chunks), r.prompt_index, dict(r.arms), getattr(r, "cached_tokens", 0)))
     return rows
 
 
 def build_prompt_set(engine, classes: list[str], live: dict, max_tokens: int):
     """Per class, each bench prompt's (prompt tokens by the engine's tokenizer, output tokens
-    as the live requests of that prompt ended: their median; ``max_tokens`` for a prompt that
-    never finished live). Returns the ``PromptSet`` and its CSV rows."""
+    as the live requests of that prompt ended: their median, ``max_tokens`` for a prompt that
+    never finished live; prompt tokens the prefix cache served them: their median). Returns
+    the ``PromptSet`` (uncached prompt tokens: the simulator has no prefix cache) and its CSV
+    rows (request_class, num_prefill_tokens, num_decode_tokens, num_cached_tokens)."""
     from adaptspec.serve.loadtest import bench_prompts
     from adaptspec.sim.closed_loop import PromptSet
 
     prompts = bench_prompts()
-    ended: dict[tuple[str, int], list[int]] = {}
+    ended: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for runs in live.values():
         for run in runs:
             for r in run.rows:
                 if not (r.cut or r.error) and r.tokens > 0 and r.prompt_index >= 0:
-                    ended.setdefault((r.request_class, r.prompt_index), []).append(r.tokens)
+                    ended.setdefault((r.request_class, r.prompt_index), []).append((r.tokens, r.cached_tokens))
     ptoks, otoks, csv_rows = [], [], []
     for cls in classes:
         pool = prompts.get(cls) or prompts["chat"]
         p = np.array([len(engine.encode(x)) for x in pool], dtype=np.int64)
-        o = np.array([int(np.median(ended[(cls, i)])) if (cls, i) in ended else max_tokens for i in range(len(pool))],
-                     dtype=np.int64)
-        ptoks.append(p)
+        seen = [np.array(ended.get((cls, i), [(max_tokens, 0)])) for i in range(len(pool))]
+        o = np.array([int(np.median(x[:, 0])) for x in seen], dtype=np.int64)
+        cached = np.minimum(np.array([int(np.median(x[:, 1])) for x in seen], dtype=np.int64), p - 1)
+        ptoks.append(p - cached)
         otoks.append(o)
-        csv_rows += [(cls, int(a), int(b)) for a, b in zip(p, o)]
+        csv_rows += [(cls, int(a), int(b), int(c)) for a, b, c in zip(p, o, cached)]
     return PromptSet(ptoks, otoks), csv_rows
 
 
@@ -193,8 +196,9 @@ def _sim_level(level) -> SimLevel:
 
 def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_set, console=None) -> dict:
     """{(policy, level label): ([Run], {class: {arm: steps}})}: every (level, policy) as the
-    live run had them (an adaptive policy carries what it learned from level to level unless
-    ``fresh``, as the live controller does), ``sim_seeds`` runs each."""
+    live run had them, ``rounds`` runs each (an adaptive policy carries what it learned from
+    run to run unless ``fresh``, as the live controller does), for each of ``sim_seeds``
+    seeds."""
     from adaptspec.control import ClassTarget
     from adaptspec.serve.loadtest import as_arrivals
     from adaptspec.serve.policies import load_cost_prior, make_policy
@@ -213,19 +217,20 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
         for name in opts.policies:
             runs, arms = [], {}
             for seed in range(opts.sim_seeds):
-                key = (name, seed)
-                if opts.fresh or key not in policies:
-                    policies[key] = make_policy(name, drafters=cfg.drafters, max_k=cfg.controller.max_k,
-                                                targets=targets, seed=cfg.controller.seed + seed, prior_cost=prior,
-                                                fade_half_life_s=cfg.controller.fade_half_life_s)
-                run, steps = simulate_level(lv, policy=policies[key], cost=cost, truths=truths, classes=class_specs,
-                                            prompt_set=prompt_set, warmup_s=opts.warmup_s,
-                                            duration_s=opts.duration_s, drain_s=opts.drain_s,
-                                            max_k=cfg.controller.max_k, seed=seed)
-                runs.append(run)
-                for cls, per in steps.items():
-                    for a, n in per.items():
-                        arms.setdefault(cls, {})[a] = arms.setdefault(cls, {}).get(a, 0) + n
+                for r in range(opts.rounds):
+                    key = (name, seed)
+                    if opts.fresh or key not in policies:
+                        policies[key] = make_policy(name, drafters=cfg.drafters, max_k=cfg.controller.max_k,
+                                                    targets=targets, seed=cfg.controller.seed + seed,
+                                                    prior_cost=prior, fade_half_life_s=cfg.controller.fade_half_life_s)
+                    run, steps = simulate_level(lv, policy=policies[key], cost=cost, truths=truths,
+                                                classes=class_specs, prompt_set=prompt_set, warmup_s=opts.warmup_s,
+                                                duration_s=opts.duration_s, drain_s=opts.drain_s,
+                                                max_k=cfg.controller.max_k, seed=seed * 1000 + r)
+                    runs.append(run)
+                    for cls, per in steps.items():
+                        for a, n in per.items():
+                            arms.setdefault(cls, {})[a] = arms.setdefault(cls, {}).get(a, 0) + n
             out[(name, arr.label)] = (runs, arms)
             if console is not None:
                 console.print(f"simulated {name} {arr.label}")
@@ -307,6 +312,21 @@ def scenario_yaml(opts: FidelityOptions, cfg, profile: str, recording, recording
     return sc
 
 
+def code_version() -> str:
+    """The commit the code came from (``+dirty`` with local changes), if this is a git checkout."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=here, capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head + ("+dirty" if dirty else "")) or "unknown"
+
+
 def machine() -> str:
     import torch
 
@@ -352,10 +372,9 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     prompt_set, ps_rows = build_prompt_set(svc.engine, list(opts.classes), live["in-process"][0], opts.max_tokens)
     with open(out / "prompt_set.csv", "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["request_class", "num_prefill_tokens", "num_decode_tokens"])
+        w.writerow(["request_class", "num_prefill_tokens", "num_decode_tokens", "num_cached_tokens"])
         w.writerows(ps_rows)
     cost = sim_profile(profile_path, cfg, svc.engine)
-    engine = svc.engine
     if opts.grpc:
         del svc  # the service's replica gets the CPU to itself
         live["grpc"] = _grpc_levels(cfg, opts, spec, console)
@@ -367,8 +386,8 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
         cells += compare(path, runs, sim, list(opts.classes))
     goal_list = goals(cells)
     meta = {
-        "date": started.isoformat(timespec="seconds"), "machine": machine(),
-        "engine": f"{type(engine).__module__}", "config": opts.config or "(embedded default)",
+        "date": started.isoformat(timespec="seconds"), "machine": machine(), "code": code_version(),
+        "config": opts.config or "(embedded default)",
         "models": {"target": cfg.models.target, "draft": cfg.models.draft, "dtype": cfg.models.dtype,
                    "device": cfg.models.device},
         "profile": str(profile_path), "levels": [_level_json(x) for x in opts.levels], "policies": opts.policies,

@@ -171,8 +171,10 @@ class ClosedLoopSpec(_Strict):
 
 
 class PromptSetSpec(_Strict):
-    path: str = Field(description="CSV with request_class, num_prefill_tokens, num_decode_tokens: one row per "
-                                  "prompt, each class's rows in the order they are sent (relative to the scenario)")
+    path: str = Field(description="CSV with request_class, num_prefill_tokens, num_decode_tokens (and optionally "
+                                  "num_cached_tokens, prompt tokens a prefix cache serves, which are not prefilled): "
+                                  "one row per prompt, each class's rows in the order they are sent (relative to "
+                                  "the scenario)")
     order: Literal["round_robin", "random"] = Field(
         "round_robin", description="round_robin: the classes in turn (scenario order, weight > 0) and each class's "
                                    "prompts in turn, as adaptspec loadtest sends them; random: a class by weight, "

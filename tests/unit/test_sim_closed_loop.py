@@ -193,3 +193,16 @@ def test_run_scenario_sweeps_clients(tmp_path):
         run_scenario(_scenario(classes=[{"name": "chat", "acceptance": {"ngram": {"bernoulli": 0.4}}}],
                                workload={"closed_loop": {"clients": 2}, "prompt_set": {"path": "missing.csv"}}),
                      Path(tmp_path))
+
+
+def test_a_prompt_sets_cached_tokens_are_not_prefilled(tmp_path):
+    from adaptspec.sim.closed_loop import read_prompt_set
+    from adaptspec.sim.scenario import PromptSetSpec
+
+    (tmp_path / "p.csv").write_text("request_class,num_prefill_tokens,num_decode_tokens,num_cached_tokens\n"
+                                    "chat,40,5,32\nchat,40,5,40\nchat,7,2,\n")
+    ps = read_prompt_set(PromptSetSpec(path="p.csv"), tmp_path, _classes())
+    assert ps.prompt_tokens[0].tolist() == [8, 1, 7] and ps.output_tokens[0].tolist() == [5, 5, 2]
+    (tmp_path / "p.csv").write_text("request_class,num_prefill_tokens,num_decode_tokens\nchat,x,5\n")
+    with pytest.raises(ValueError, match=r"workload\.prompt_set\.path: .* line 2"):
+        read_prompt_set(PromptSetSpec(path="p.csv"), tmp_path, _classes())
