@@ -375,6 +375,8 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
         w.writerow(["request_class", "num_prefill_tokens", "num_decode_tokens", "num_cached_tokens"])
         w.writerows(ps_rows)
     cost = sim_profile(profile_path, cfg, svc.engine)
+    # the live controller's own step-time predictions against the engine's (a model-based policy)
+    cost_check = {p: c.table() for p, c in svc.cost_checks.items() if c.rows}
     if opts.grpc:
         del svc  # the service's replica gets the CPU to itself
         live["grpc"] = _grpc_levels(cfg, opts, spec, console)
@@ -393,7 +395,7 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
         "profile": str(profile_path), "levels": [_level_json(x) for x in opts.levels], "policies": opts.policies,
         "classes": list(opts.classes), "duration_s": opts.duration_s, "warmup_s": opts.warmup_s,
         "rounds": opts.rounds, "max_tokens": opts.max_tokens, "sim_seeds": opts.sim_seeds,
-        "acceptance_steps": recorder.steps, "notes": notes,
+        "acceptance_steps": recorder.steps, "notes": notes, "controller_cost_check": cost_check,
         "live_summaries": {p: [asdict(s) for s in summ] for p, (_, summ) in live.items()},
     }
     (out / "fidelity.json").write_text(to_json(cells, goal_list, meta))
