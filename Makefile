@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.adaptspec-installed
 TEST_STAMP := $(VENV)/.adaptspec-test-installed
 
-.PHONY: run test install protos bench clean-venv deploy-check
+.PHONY: run test install protos bench clean-venv deploy-check mutation-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,11 @@ test: $(TEST_STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/adaptspec bench
+
+# plant each known bug of tests/mutation/mutations.toml in a copy of the tree and check the
+# tests meant to catch it fail (not part of `make test`; run it before resolving engine work)
+mutation-check: $(TEST_STAMP)
+	$(PY) tests/mutation/run.py
 
 # render the Kubernetes profiles (deploy/profiles) and validate every generated object
 deploy-check: $(TEST_STAMP)
