@@ -105,14 +105,21 @@ def start(config: ServiceConfig, *, num_cpus: int | None = None) -> Running:
 
     # the admin token: the operator's variable, else $ADAPTSPEC_HOME/admin-token (created once,
     # mode 0600), which the replicas on this machine and the CLI read
-    ensure_token(config.auth.admin_token_env)
+    try:
+        ensure_token(config.auth.admin_token_env)
+    except OSError as exc:  # a read-only home, say: the service runs, its admin calls stay closed
+        import logging
+
+        logging.getLogger(__name__).warning("no admin token (%s): GetPolicy/UpdatePolicy are refused; set $%s",
+                                            exc, config.auth.admin_token_env)
     if not ray.is_initialized():
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         # Ray starts workers at niceness 15; the engine replica is the service, not background work
         os.environ.setdefault("RAY_worker_niceness", "0")
         for name, value in SERVE_LATENCY_ENV.items():  # an operator's own setting wins
             os.environ.setdefault(name, value)
-        ray.init(num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False,
+        # address="local": a Ray of its own, never one another process on this machine has started
+        ray.init(address="local", num_cpus=num_cpus or max(4, os.cpu_count() or 1), include_dashboard=False,
                  object_store_memory=512 * 1024**2,  # requests and stats are small; don't reserve 30% of RAM
                  log_to_driver=False, configure_logging=True, logging_level="WARNING")
     serve.start(http_options={"host": config.host, "port": config.http_port},
