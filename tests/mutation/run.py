@@ -166,12 +166,13 @@ def judge(m: Mutation, rc: int, output: str, seconds: float) -> Result:
     return Result(m.name, "ERROR", f"pytest exit {rc} (a listed test id does not exist?)", seconds)
 
 
-def table(results: list[Result]) -> str:
-    w = max([len(r.name) for r in results] + [8])
+def row(r: Result, w: int) -> str:
+    return f"{r.name:<{w}}  {r.status:<9}  {r.seconds:5.0f}  {r.detail}"
+
+
+def table(results: list[Result], w: int) -> str:
     lines = [f"{'mutation':<{w}}  {'result':<9}  {'s':>5}  failing test / why", "-" * (w + 60)]
-    for r in results:
-        lines.append(f"{r.name:<{w}}  {r.status:<9}  {r.seconds:5.0f}  {r.detail}")
-    return "\n".join(lines)
+    return "\n".join(lines + [row(r, w) for r in results])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -223,12 +224,13 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
 
         results = []
+        w = max(len(m.name) for m in muts + [Mutation("mutation", "", "", "", "", [])])
         for m in muts:
             original = apply(root, m)
             if original is None:
                 results.append(Result(m.name, "NOT FOUND", f"old snippet not found exactly once in {m.file}: "
                                                            "the code changed, update this entry"))
-                print(table(results[-1:]).splitlines()[-1], flush=True)
+                print(row(results[-1], w), flush=True)
                 continue
             try:
                 rc, out, s = run_tests(root, m.tests, args.python, args.timeout)
@@ -237,10 +239,10 @@ def main(argv: list[str] | None = None) -> int:
             results.append(judge(m, rc, out, s))
             if args.verbose or results[-1].status == "ERROR":
                 print(out[-4000:])
-            print(table(results[-1:]).splitlines()[-1], flush=True)
+            print(row(results[-1], w), flush=True)
 
     print()
-    print(table(results))
+    print(table(results, w))
     bad = [r for r in results if r.status != "caught"]
     print(f"\n{len(results) - len(bad)} of {len(results)} caught"
           + (f"; not caught: {', '.join(r.name + ' (' + r.status + ')' for r in bad)}" if bad else ""))
