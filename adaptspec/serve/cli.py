@@ -91,8 +91,20 @@ def serve(
         return
     console = _console()
     address = start_embedded(cfg, console)
-    console.print(f"[bold green]AdaptSpec is up.[/] {how_to_call(address, cfg.app_name)}\nCtrl-C stops it.")
+    console.print(f"[bold green]AdaptSpec is up.[/] {how_to_call(address, cfg.app_name)}\n{_admin_hint(cfg)}\n"
+                  "Ctrl-C stops it.")
     wait_for_ctrl_c(console)
+
+
+def _admin_hint(cfg) -> str:
+    """Where the admin token is (never the token itself)."""
+    import os
+
+    from adaptspec.serve.auth import token_file
+
+    env = cfg.auth.admin_token_env
+    where = f"${env}" if os.environ.get(env, "").strip() else str(token_file())
+    return f"Admin calls (adaptspec policy) use the token in {where}."
 
 
 @fail_cleanly
