@@ -258,6 +258,8 @@ def policy(
                               grpc.StatusCode.PERMISSION_DENIED):
                 raise ValueError(f"{exc.code().name}: {exc.details()}") from None
             raise
+        except PermissionError as exc:  # a token file others can read: fix it before anything is sent
+            raise ValueError(str(exc)) from None
     if as_json:
         print(json.dumps(MessageToDict(st)))
         return
