@@ -38,6 +38,11 @@ class SoakResult:
     wall_s: float = 0.0
     outcomes: dict[str, int] = dataclasses.field(default_factory=lambda: collections.Counter())
     other_codes: dict[str, int] = dataclasses.field(default_factory=lambda: collections.Counter())
+    # status details (first words) of refused, unavailable, hung and lost requests: who refused and why
+    details: dict[str, int] = dataclasses.field(default_factory=lambda: collections.Counter())
+    killed_at: float | None = None  # monotonic time of the replica kill (--kill-after)
+    killed: str = ""  # what the kill callable returned (the replica's actor name)
+    first_ok_after_kill_s: dict[int, float] = dataclasses.field(default_factory=dict, repr=False)
     ttft_s: list[float] = dataclasses.field(default_factory=list, repr=False)
     e2e_s: list[float] = dataclasses.field(default_factory=list, repr=False)
     tokens: int = 0
@@ -53,10 +58,16 @@ class SoakResult:
         return s[min(len(s) - 1, int(q * len(s)))]
 
     def summary(self) -> dict:
-        return {"streams": self.streams, "duration_s": self.duration_s, "wall_s": round(self.wall_s, 2),
+        extra = {}
+        if self.killed_at is not None:
+            firsts = list(self.first_ok_after_kill_s.values())
+            extra = {"killed": self.killed, "clients_served_after_kill": len(firsts),
+                     "first_ok_after_kill_p50_s": round(self.pct(firsts, 0.5), 3),
+                     "first_ok_after_kill_p99_s": round(self.pct(firsts, 0.99), 3)}
+        return {**extra, "streams": self.streams, "duration_s": self.duration_s, "wall_s": round(self.wall_s, 2),
                 "requests": self.requests, **{k: self.outcomes.get(k, 0) for k in
                                               ("ok", "refused", "unavailable", "hung", "lost")},
-                "other_codes": dict(self.other_codes), "tokens": self.tokens,
+                "other_codes": dict(self.other_codes), "details": dict(self.details), "tokens": self.tokens,
                 "tokens_per_s": round(self.tokens / self.wall_s, 1) if self.wall_s else 0.0,
                 "ttft_p50_s": round(self.pct(self.ttft_s, 0.5), 4), "ttft_p99_s": round(self.pct(self.ttft_s, 0.99), 4),
                 "e2e_p50_s": round(self.pct(self.e2e_s, 0.5), 4), "e2e_p99_s": round(self.pct(self.e2e_s, 0.99), 4)}
@@ -88,7 +99,10 @@ async def _client(stubs, i: int, res: SoakResult, end_t: float, *, app_name: str
                        grpc.StatusCode.DEADLINE_EXCEEDED: "hung"}.get(code, "lost")
             if outcome == "lost":
                 res.other_codes[code.name] += 1
+            res.details[f"{code.name}: {(e.details() or '')[:48]}"] += 1
         res.outcomes[outcome] += 1
+        if outcome == "ok" and res.killed_at is not None and i not in res.first_ok_after_kill_s:
+            res.first_ok_after_kill_s[i] = time.monotonic() - res.killed_at
         if outcome == "ok":
             res.tokens += tokens
             res.e2e_s.append(time.monotonic() - t0)
@@ -100,7 +114,9 @@ async def _client(stubs, i: int, res: SoakResult, end_t: float, *, app_name: str
 
 async def soak_async(address: str, *, streams: int = 200, duration_s: float = 60.0, app_name: str = "adaptspec",
                      max_tokens: int = 16, request_timeout_s: float = 120.0, backoff_s: float = 0.05,
-                     channels: int = 8, vocab: int = 16) -> SoakResult:
+                     channels: int = 8, vocab: int = 16, kill_after_s: float | None = None,
+                     kill=None) -> SoakResult:
+    """``kill``: a blocking callable run ``kill_after_s`` into the soak (kills a replica)."""
     res = SoakResult(streams, duration_s)
     chans = [grpc.aio.insecure_channel(address) for _ in range(max(1, min(channels, streams)))]
     try:
@@ -111,9 +127,18 @@ async def soak_async(address: str, *, streams: int = 200, duration_s: float = 60
 
         t0 = time.monotonic()
         end_t = t0 + duration_s
-        await asyncio.gather(*(_client(stubs, i, res, end_t, app_name=app_name, max_tokens=max_tokens,
-                                       request_timeout_s=request_timeout_s, backoff_s=backoff_s,
-                                       prompt_ids=prompt_ids) for i in range(streams)))
+
+        async def killer():
+            await asyncio.sleep(kill_after_s)
+            res.killed = await asyncio.to_thread(kill)
+            res.killed_at = time.monotonic()
+            await asyncio.sleep(5)
+            res.killed += f"; 5 s later: {await asyncio.to_thread(replica_names)}"
+
+        extra = [killer()] if kill is not None and kill_after_s is not None else []
+        await asyncio.gather(*extra, *(_client(stubs, i, res, end_t, app_name=app_name, max_tokens=max_tokens,
+                                               request_timeout_s=request_timeout_s, backoff_s=backoff_s,
+                                               prompt_ids=prompt_ids) for i in range(streams)))
         res.wall_s = time.monotonic() - t0
     finally:
         for c in chans:
@@ -165,10 +190,28 @@ def start_local_cluster(nodes: int = 2, cpus_per_node: int = 1):
     return cluster
 
 
+def kill_one_replica(part: str = "#TargetEngine#") -> str:
+    """Kill one TargetEngine replica's actor as a crash would (no graceful shutdown); its name
+    and the replicas there are a few seconds later (Serve starts a replacement)."""
+    import ray
+
+    before = replica_names(part)
+    actor = next(a for a in ray.util.list_named_actors(all_namespaces=True) if part in a["name"])
+    ray.kill(ray.get_actor(actor["name"], namespace=actor["namespace"]), no_restart=True)
+    return f"{actor['name']} of {before}"
+
+
+def replica_names(part: str = "#TargetEngine#") -> list[str]:
+    import ray
+
+    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if part in a["name"])
+
+
 def _record(path: str, summary: dict, args) -> None:
     from pathlib import Path
 
-    lines = [f"# Soak: {summary['streams']} concurrent gRPC streams for {summary['duration_s']:.0f} s",
+    lines = [f"## Soak: {summary['streams']} concurrent gRPC streams for {summary['duration_s']:.0f} s"
+             + (" (a replica killed)" if "first_ok_after_kill_p99_s" in summary else ""),
              "", f"Command: `python -m adaptspec.serve.soak {' '.join(args)}`", "",
              "| " + " | ".join(summary) + " |", "|" + "---|" * len(summary),
              "| " + " | ".join(json.dumps(v) if isinstance(v, dict) else str(v) for v in summary.values()) + " |", ""]
@@ -194,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="with --cluster: the target (default: a tiny random model)")
     ap.add_argument("--draft", default=None, help="with --cluster and --model: the draft")
     ap.add_argument("--record", default=None, help="append the numbers to this Markdown file")
+    ap.add_argument("--kill-after", type=float, default=None,
+                    help="with --cluster: kill one TargetEngine replica this many seconds in")
     args = ap.parse_args(argv)
     cluster = None
     address = args.address
@@ -214,8 +259,14 @@ def main(argv: list[str] | None = None) -> int:
             cfg = local_cluster_config(target, draft, grpc_port=9717, http_port=8717, streams=args.streams)
             app.start(cfg)
             address = "127.0.0.1:9717"
+        kill = None
+        if args.kill_after is not None:
+            if cluster is None:
+                raise SystemExit("--kill-after needs --cluster")
+            kill = kill_one_replica
         res = soak(address, streams=args.streams, duration_s=args.duration, app_name=args.app,
-                   max_tokens=args.max_tokens, request_timeout_s=args.timeout, vocab=vocab)
+                   max_tokens=args.max_tokens, request_timeout_s=args.timeout, vocab=vocab,
+                   kill_after_s=args.kill_after, kill=kill)
     finally:
         if cluster is not None:
             from adaptspec.serve import app
