@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
 from adaptspec.distill.corpus import interleave
 
@@ -59,13 +59,17 @@ class Dataset:
 def generate(engine, prompts: dict[str, list[str]], path: Path | None, *, tokens: int,
              time_budget_s: float | None = None, max_new_tokens: int = 192, max_prompt_tokens: int = 384,
              samples: int = 1, sample_temperature: float = 0.8, seed: int = 0,
-             console: Console | None = None, label: str = "on-policy data") -> Dataset:
-    """Decode until ``tokens`` continuation tokens exist (or the time budget ends)."""
+             console: Console | None = None, label: str = "on-policy data",
+             order: list[tuple[str, str]] | None = None) -> Dataset:
+    """Decode until ``tokens`` continuation tokens exist (or the time budget ends).
+
+    ``order``: the (class, prompt) pairs in the order to decode them (default: the
+    classes of ``prompts`` round-robin); resuming needs the same order."""
     from adaptspec.engine.params import SamplingParams, SpecConfig
 
     con = console or Console()
     data = Dataset.load(path) if path is not None and path.is_file() else Dataset()
-    pairs = interleave(prompts)
+    pairs = order if order is not None else interleave(prompts)
     jobs = [(c, p, s) for c, p in pairs for s in range(1 + samples)]  # s == 0: greedy
     spec = SpecConfig("none", 0)
     start, last_save = time.perf_counter(), time.perf_counter()
@@ -74,7 +78,8 @@ def generate(engine, prompts: dict[str, list[str]], path: Path | None, *, tokens
     cursor = data.next_prompt
     cap = engine.config.max_num_seqs
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.completed:,}/{task.total:,} tok"),
-                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), console=con, transient=False) as prog:
+                  TextColumn("{task.fields[rate]}"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                  console=con, transient=False) as prog:
         task = prog.add_task(label, total=tokens, completed=min(base_tokens, tokens), rate="")
         while True:
             done_enough = data.output_tokens >= tokens

@@ -1,27 +1,43 @@
-"""The feature-level draft head (EAGLE-style) for a Llama-family target.
+"""The feature-level draft head for a Llama-family target: two architectures.
 
-A head drafts from the target's own final hidden states. Entry ``j`` of its sequence takes
-the target's feature ``f_j`` (the normed final hidden state at position ``j``, which
-predicts token ``x_{j+1}``) and the embedding of that next token ``x_{j+1}``:
+Both draft from the target's own features. Entry ``j`` of the head's sequence takes the
+target's feature at position ``j`` (which predicts token ``x_{j+1}``) and the embedding of
+that next token ``x_{j+1}``; its output ``g_j`` predicts ``x_{j+2}``. ``embed`` is the
+target's, frozen and never stored with the head.
+
+``arch="adaptspec"`` (format 1, the first shipped head): the feature is the target's final
+normed hidden state ``f_j``, and
 
     u_j = W_in [rmsnorm(f_j); rmsnorm(embed(x_{j+1}))]
-    g_j = norm(decoder_layers(u_0..u_j))          # the head's own feature for position j+1
-    logits_j = g_j @ W_out[V]                      # predicts x_{j+2}
+    g_j = norm(decoder_layers(u_0..u_j))
+    logits_j = g_j @ W_out[V]            # W_out: the target's output layer, rows V
 
-``embed`` and ``W_out`` are the target's, frozen and not stored with the head; ``V`` is an
-optional reduced draft vocabulary (the ``N`` most frequent tokens of the target's own
-output: FR-Spec), so the draft's output layer costs ``N / vocab`` of the target's. Tokens
-outside ``V`` get draft probability 0, which keeps verification exact.
+``arch="eagle3"`` (EAGLE-3, the layout of the ``speculators`` format that vLLM serves): the
+feature is the concatenation of several of the target's layers (``feature_layers``, see
+``HeadConfig``), fused once by ``fc``; the first decoder layer attends over the token and
+the hidden state side by side:
+
+    h_j = fc(a_j)                                              # a_j: [nF * H_t] fused features
+    layer 0: x = [rmsnorm_in(embed(x_{j+1})); rmsnorm_hidden(h_j)]   (2H wide q/k/v input)
+             h = r + o_proj(attn(x)), r = h_j (or rmsnorm_hidden(h_j): norm_before_residual)
+             h = h + mlp(rmsnorm_post(h))
+    layers 1..: ordinary Llama layers;  g_j = norm(h);  logits_j = lm_head(g_j)
+
+``V`` is a reduced draft vocabulary (the ``N`` most frequent tokens of the data: FR-Spec);
+tokens outside it get draft probability 0, which keeps verification exact.
 
 When it drafts the ``s``-th candidate of a step, the head has no target feature for the
-positions it invented; it feeds its own ``g`` instead. Training therefore unrolls ``S``
-such passes ("training-time test", EAGLE-3): pass ``s`` at position ``j`` takes
-``g^{(s-1)}_{j-1}`` as its feature and attends to pass 1's entries up to ``j-s+1`` plus the
-entries of passes ``2..s`` on the diagonal, exactly the context it has at drafting time.
+positions it invented; it feeds its own output instead (adaptspec: the normed ``g``;
+eagle3: the pre-norm ``h`` after the last layer, or ``g`` with ``norm_output``), which
+skips ``W_in`` / ``fc``'s feature half (eagle3: skips ``fc``). Training therefore unrolls
+``S`` such passes ("training-time test", EAGLE-3): pass ``s`` at entry ``j`` takes pass
+``s-1``'s output at ``j-1`` as its feature and attends to pass 1's entries up to ``j-s+1``
+plus the entries of passes ``2..s`` on the diagonal, exactly the context it has at
+drafting time.
 
-This module holds the trainable ``DraftHead`` (torch ``nn.Module``), its file format
-(``draft.json`` + ``model.safetensors``) and ``HeadModel``, the inference form that runs
-on the engine's slot-KV forward (``LlamaModel`` with ``inputs_embeds``).
+This module holds the trainable ``DraftHead`` (torch ``nn.Module``; with ``passes=k`` it is
+also the reference forward of drafting ``k`` candidates), its file format (``draft.json``
++ ``model.safetensors``) and ``HeadModel``, the inference form on the engine's forward.
 """
 from __future__ import annotations
 
@@ -37,11 +53,26 @@ import torch.nn.functional as F
 from adaptspec.models.llama import LlamaConfig, LlamaModel, _inv_freq
 
 HEAD_FILE = "draft.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: arch, feature_layers, eagle3 norms, own lm_head (1 reads as adaptspec)
+READABLE_VERSIONS = (1, 2)
+ARCHS = ("adaptspec", "eagle3")
 
 
 @dataclass(slots=True)
 class HeadConfig:
+    """A draft head's shape and what it reads from the target.
+
+    ``feature_layers``: the target features the head takes, as indices into Hugging Face's
+    ``output_hidden_states`` tuple of the target (``hidden_states[0]`` is the token
+    embedding, ``hidden_states[i]`` the residual stream entering decoder layer ``i``, i.e.
+    before the final norm; these are also vLLM's ``eagle_aux_hidden_state_layer_ids``). The
+    feature at position ``j`` is the concatenation, in ``feature_layers`` order, of
+    ``hidden_states[i][j]``: ``[len(feature_layers) * target_hidden_size]``. An empty list
+    means the target's final NORMED hidden state (what the engine's verification pass
+    returns; ``hidden_states[num_layers]`` in transformers' tuple) and is the only choice
+    for ``arch="adaptspec"``.
+    """
+
     hidden_size: int
     intermediate_size: int
     num_layers: int
@@ -58,20 +89,59 @@ class HeadConfig:
     format_version: int = FORMAT_VERSION
     target: dict = field(default_factory=dict)  # what it was trained for (name, layers, sha of embed)
     training: dict = field(default_factory=dict)  # how (filled by the trainer)
+    arch: str = "adaptspec"  # adaptspec | eagle3
+    feature_layers: list[int] = field(default_factory=list)  # see the class docstring
+    target_hidden_size: int | None = None  # eagle3: width of one target feature (None: hidden_size)
+    # eagle3 options, named and defined as in the speculators format
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated features before fc
+    fc_norm: bool = False  # one RMSNorm per feature before fc
+    norm_before_residual: bool = False  # layer 0's residual is hidden_norm(h) instead of h
+    norm_output: bool = False  # feed the normed output back (else the pre-norm one)
+    own_lm_head: bool = False  # the file carries lm_head.weight [N, H] (else the target's rows V)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch: must be one of {ARCHS}, got {self.arch!r}")
+        self.feature_layers = [int(i) for i in self.feature_layers]
+        if self.arch == "adaptspec":
+            if self.feature_layers:
+                raise ValueError("feature_layers: the adaptspec head reads the final normed hidden state "
+                                 "only (use arch='eagle3' for fused layers)")
+            if self.norm_before_fc or self.fc_norm or self.norm_before_residual or self.norm_output:
+                raise ValueError("norm_before_fc / fc_norm / norm_before_residual / norm_output: eagle3 options")
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are mutually exclusive")
+        if len(set(self.feature_layers)) != len(self.feature_layers) or any(i < 0 for i in self.feature_layers):
+            raise ValueError(f"feature_layers: distinct indices >= 0, got {self.feature_layers}")
+
+    @property
+    def num_features(self) -> int:
+        return max(1, len(self.feature_layers))
+
+    @property
+    def feature_size(self) -> int:
+        """Width of the feature the head takes per position."""
+        if self.arch == "adaptspec":
+            return self.hidden_size
+        return self.num_features * (self.target_hidden_size or self.hidden_size)
 
     @classmethod
     def for_target(cls, tcfg: LlamaConfig, num_layers: int = 1, draft_vocab_size: int | None = None,
-                   intermediate_size: int | None = None) -> "HeadConfig":
+                   intermediate_size: int | None = None, *, arch: str = "adaptspec",
+                   feature_layers: list[int] | None = None, **eagle3) -> "HeadConfig":
         if num_layers < 1:
             raise ValueError(f"layers: a head needs at least 1 decoder layer, got {num_layers}")
         n = draft_vocab_size or tcfg.vocab_size
         if not 1 <= n <= tcfg.vocab_size:
             raise ValueError(f"vocab_top: must be in 1..{tcfg.vocab_size}, got {n}")
+        layers = list(feature_layers or [])
+        if any(i > tcfg.num_layers for i in layers):
+            raise ValueError(f"feature_layers: the target has hidden states 0..{tcfg.num_layers}, got {layers}")
         return cls(hidden_size=tcfg.hidden_size, intermediate_size=intermediate_size or tcfg.intermediate_size,
                    num_layers=num_layers, num_heads=tcfg.num_heads, num_kv_heads=tcfg.num_kv_heads,
                    head_dim=tcfg.head_dim, rms_norm_eps=tcfg.rms_norm_eps, rope_theta=tcfg.rope_theta,
                    max_position=tcfg.max_position, target_vocab_size=tcfg.vocab_size,
-                   draft_vocab_size=n, rope_scaling=tcfg.rope_scaling)
+                   draft_vocab_size=n, rope_scaling=tcfg.rope_scaling, arch=arch, feature_layers=layers, **eagle3)
 
     def llama_config(self) -> LlamaConfig:
         """The decoder part as a LlamaConfig (its vocabulary is the draft vocabulary)."""
@@ -83,6 +153,12 @@ class HeadConfig:
                            rope_scaling=self.rope_scaling)
 
 
+def default_feature_layers(num_target_layers: int) -> list[int]:
+    """EAGLE-3's low / middle / high choice (vLLM's default aux layers): 2, L // 2, L - 3."""
+    L = num_target_layers
+    return sorted({min(2, L - 1), L // 2, max(L - 3, 0)})
+
+
 def is_head_folder(path: Path) -> bool:
     p = path / HEAD_FILE
     if not p.is_file():
@@ -92,22 +168,29 @@ def is_head_folder(path: Path) -> bool:
 
 def read_head_config(folder: Path) -> HeadConfig:
     raw = json.loads((folder / HEAD_FILE).read_text())
-    if raw.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{folder / HEAD_FILE}: format_version {raw.get('format_version')} is not "
-                         f"{FORMAT_VERSION}")
+    if raw.get("format_version") not in READABLE_VERSIONS:
+        raise ValueError(f"{folder / HEAD_FILE}: format_version {raw.get('format_version')} is not one of "
+                         f"{READABLE_VERSIONS}")
     known = set(HeadConfig.__dataclass_fields__)
     return HeadConfig(**{k: v for k, v in raw.items() if k in known})
 
 
 # ---- training module ------------------------------------------------------------------
 class _Layer(nn.Module):
-    def __init__(self, c: HeadConfig):
+    """A Llama decoder layer; ``eagle3_first``: q/k/v read [token; hidden] (2H) and a
+    ``hidden_norm`` normalizes the hidden half."""
+
+    def __init__(self, c: HeadConfig, eagle3_first: bool = False):
         super().__init__()
         H, nq, nkv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        din = 2 * H if eagle3_first else H
+        self.eagle3_first = eagle3_first
         self.input_layernorm = nn.Parameter(torch.ones(H))
-        self.q_proj = nn.Linear(H, nq, bias=False)
-        self.k_proj = nn.Linear(H, nkv, bias=False)
-        self.v_proj = nn.Linear(H, nkv, bias=False)
+        if eagle3_first:
+            self.hidden_norm = nn.Parameter(torch.ones(H))
+        self.q_proj = nn.Linear(din, nq, bias=False)
+        self.k_proj = nn.Linear(din, nkv, bias=False)
+        self.v_proj = nn.Linear(din, nkv, bias=False)
         self.o_proj = nn.Linear(nq, H, bias=False)
         self.post_attention_layernorm = nn.Parameter(torch.ones(H))
         self.gate_proj = nn.Linear(H, c.intermediate_size, bias=False)
@@ -116,20 +199,28 @@ class _Layer(nn.Module):
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """The layer's tensors under their Hugging Face names (``model.layers.i.`` + name)."""
-        return {"input_layernorm.weight": self.input_layernorm,
-                "post_attention_layernorm.weight": self.post_attention_layernorm,
-                **{f"self_attn.{n}.weight": getattr(self, n).weight for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
-                **{f"mlp.{n}.weight": getattr(self, n).weight for n in ("gate_proj", "up_proj", "down_proj")}}
+        out = {"input_layernorm.weight": self.input_layernorm,
+               "post_attention_layernorm.weight": self.post_attention_layernorm,
+               **{f"self_attn.{n}.weight": getattr(self, n).weight for n in ("q_proj", "k_proj", "v_proj", "o_proj")},
+               **{f"mlp.{n}.weight": getattr(self, n).weight for n in ("gate_proj", "up_proj", "down_proj")}}
+        if self.eagle3_first:
+            out["hidden_norm.weight"] = self.hidden_norm
+        return out
 
     @torch.no_grad()
     def copy_from(self, src: dict[str, torch.Tensor], prefix: str) -> None:
         for name, t in self.named_tensors().items():
+            if src[prefix + name].shape != t.shape:
+                raise ValueError(f"{prefix + name}: shape {tuple(src[prefix + name].shape)}, the head needs "
+                                 f"{tuple(t.shape)}")
             t.copy_(src[prefix + name])
 
 
 class DraftHead(nn.Module):
-    """Trainable head. ``embed`` [vocab, H] and ``out_weight`` [N, H] are frozen buffers
-    taken from the target; ``vocab_ids`` [N] maps draft-vocabulary rows to target ids."""
+    """Trainable head. ``embed`` [vocab, H] is a frozen buffer taken from the target;
+    ``out_weight`` [N, H] the output layer for the draft vocabulary (frozen unless
+    ``cfg.own_lm_head``, then a parameter); ``vocab_ids`` [N] maps draft-vocabulary rows
+    to target ids."""
 
     def __init__(self, cfg: HeadConfig, embed: torch.Tensor, out_weight: torch.Tensor,
                  vocab_ids: torch.Tensor):
@@ -139,21 +230,40 @@ class DraftHead(nn.Module):
         if out_weight.shape != (cfg.draft_vocab_size, H) or vocab_ids.shape != (cfg.draft_vocab_size,):
             raise ValueError("draft vocabulary: out_weight / vocab_ids do not match draft_vocab_size")
         self.register_buffer("embed", embed.detach().clone(), persistent=False)
-        self.register_buffer("out_weight", out_weight.detach().clone(), persistent=False)
+        if cfg.own_lm_head:
+            self.out_weight = nn.Parameter(out_weight.detach().clone())
+        else:
+            self.register_buffer("out_weight", out_weight.detach().clone(), persistent=False)
         self.register_buffer("vocab_ids", vocab_ids.to(torch.long).clone())
-        self.feature_norm = nn.Parameter(torch.ones(H))
-        self.token_norm = nn.Parameter(torch.ones(H))
-        self.fc = nn.Linear(2 * H, H, bias=False)
-        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_layers))
+        eagle3 = cfg.arch == "eagle3"
+        if eagle3:
+            F_in = cfg.feature_size
+            self.fc = nn.Linear(F_in, H, bias=False)
+            self.input_norm = nn.Parameter(torch.ones(F_in)) if cfg.norm_before_fc else None
+            self.fc_norm = (nn.ParameterList(nn.Parameter(torch.ones(F_in // cfg.num_features))
+                                             for _ in range(cfg.num_features)) if cfg.fc_norm else None)
+        else:
+            self.feature_norm = nn.Parameter(torch.ones(H))
+            self.token_norm = nn.Parameter(torch.ones(H))
+            self.fc = nn.Linear(2 * H, H, bias=False)
+        self.layers = nn.ModuleList(_Layer(cfg, eagle3 and i == 0) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(H))
         inv = _inv_freq(cfg.llama_config())
         self.register_buffer("inv_freq", inv, persistent=False)
 
     # names in the saved file (HF-like, so LlamaModel loads the decoder part as is)
     def export_state(self) -> dict[str, torch.Tensor]:
-        out = {"fc.weight": self.fc.weight, "feature_norm.weight": self.feature_norm,
-               "token_norm.weight": self.token_norm, "model.norm.weight": self.norm,
+        out = {"fc.weight": self.fc.weight, "model.norm.weight": self.norm,
                "vocab_ids": self.vocab_ids.to(torch.int32)}
+        if self.cfg.arch == "eagle3":
+            if self.input_norm is not None:
+                out["input_norm.weight"] = self.input_norm
+            for i, w in enumerate(self.fc_norm or []):
+                out[f"fc_norm.{i}.weight"] = w
+        else:
+            out.update({"feature_norm.weight": self.feature_norm, "token_norm.weight": self.token_norm})
+        if self.cfg.own_lm_head:
+            out["lm_head.weight"] = self.out_weight
         for i, L in enumerate(self.layers):
             out.update({f"model.layers.{i}.{k}": v for k, v in L.named_tensors().items()})
         return {k: v.detach().contiguous().cpu() for k, v in out.items()}
@@ -166,18 +276,49 @@ class DraftHead(nn.Module):
         if not torch.equal(state["vocab_ids"].to(torch.long).cpu(), self.vocab_ids.cpu()):
             raise ValueError("draft vocabulary: the saved head's vocab_ids differ from this module's "
                              "(build the module with the saved vocab_ids)")
+        params = dict(self.named_parameters())
+        names = {"fc.weight": "fc.weight", "model.norm.weight": "norm", "feature_norm.weight": "feature_norm",
+                 "token_norm.weight": "token_norm", "input_norm.weight": "input_norm", "lm_head.weight": "out_weight",
+                 **{f"fc_norm.{i}.weight": f"fc_norm.{i}" for i in range(self.cfg.num_features)}}
         with torch.no_grad():
-            self.fc.weight.copy_(state["fc.weight"])
-            self.feature_norm.copy_(state["feature_norm.weight"])
-            self.token_norm.copy_(state["token_norm.weight"])
-            self.norm.copy_(state["model.norm.weight"])
+            for key, pname in names.items():
+                if key in mine:
+                    params[pname].copy_(state[key])
         for i, L in enumerate(self.layers):
             L.copy_from(state, f"model.layers.{i}.")
 
     def init_from_target_layers(self, weights: dict[str, torch.Tensor], first_layer: int) -> None:
-        """Start the decoder layers from the target's layers ``first_layer..`` (a warm start)."""
+        """Start the decoder layers from the target's layers ``first_layer..`` (a warm start).
+
+        eagle3: layer 0's q/k/v get the target's weights on their hidden half (the token
+        half keeps its random init), ``hidden_norm`` the target layer's input norm; ``fc``
+        starts as the identity on the last feature (the highest layer), the final norm as
+        the target's."""
         for i, L in enumerate(self.layers):
-            L.copy_from(weights, f"model.layers.{first_layer + i}.")
+            p = f"model.layers.{first_layer + i}."
+            if not L.eagle3_first:
+                L.copy_from(weights, p)
+                continue
+            H = self.cfg.hidden_size
+            with torch.no_grad():
+                for n in ("q_proj", "k_proj", "v_proj"):
+                    w = getattr(L, n).weight
+                    w[:, :H].mul_(0.1)
+                    w[:, H:].copy_(weights[p + f"self_attn.{n}.weight"])
+                L.hidden_norm.copy_(weights[p + "input_layernorm.weight"])
+                for n in ("o_proj",):
+                    getattr(L, n).weight.copy_(weights[p + f"self_attn.{n}.weight"])
+                for n in ("gate_proj", "up_proj", "down_proj"):
+                    getattr(L, n).weight.copy_(weights[p + f"mlp.{n}.weight"])
+                L.post_attention_layernorm.copy_(weights[p + "post_attention_layernorm.weight"])
+        if self.cfg.arch == "eagle3":
+            with torch.no_grad():
+                w = self.fc.weight
+                Ht = w.shape[1] // self.cfg.num_features
+                w.mul_(0.1)
+                if Ht == self.cfg.hidden_size:
+                    w[:, -Ht:] += torch.eye(Ht, dtype=w.dtype)
+                self.norm.copy_(weights["model.norm.weight"])
 
     # ---- forward with training-time test --------------------------------------------
     def _rope(self, L: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -187,41 +328,64 @@ class DraftHead(nn.Module):
         return emb.cos()[None, None], emb.sin()[None, None]  # [1, 1, L, D]
 
     def input_proj(self, feats: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """adaptspec: ``W_in [rmsnorm(f); rmsnorm(embed(x))]``."""
         eps = self.cfg.rms_norm_eps
         e = F.embedding(next_tokens, self.embed).to(feats.dtype)
         x = torch.cat([F.rms_norm(feats, (feats.shape[-1],), self.feature_norm, eps),
                        F.rms_norm(e, (e.shape[-1],), self.token_norm, eps)], -1)
         return self.fc(x)
 
+    def fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        """eagle3: the target features [.., nF * H_t] -> the hidden state [.., H] (``fc``)."""
+        eps = self.cfg.rms_norm_eps
+        if self.input_norm is not None:
+            feats = F.rms_norm(feats, (feats.shape[-1],), self.input_norm, eps)
+        if self.fc_norm is not None:
+            parts = feats.chunk(len(self.fc_norm), -1)
+            feats = torch.cat([F.rms_norm(x, (x.shape[-1],), w, eps) for x, w in zip(parts, self.fc_norm)], -1)
+        return self.fc(feats)
+
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, passes: int = 1) -> list[torch.Tensor]:
-        """Teacher-forced unroll. ``feats`` [B, L, H]: the target's features f_0..f_{L-1};
-        ``tokens`` [B, L]: x_0..x_{L-1}. Returns, per pass, the head features g [B, L-1, H]
-        at entries j = 0..L-2 (entry j predicts x_{j+2}); entries j < s-1 of pass s have no
-        valid input and must be masked by the caller."""
+        """Teacher-forced unroll. ``feats`` [B, L, F]: the target's features at positions
+        0..L-1 (``cfg.feature_size`` wide); ``tokens`` [B, L]: x_0..x_{L-1}. Returns, per
+        pass, the head's normed outputs g [B, L-1, H] at entries j = 0..L-2 (entry j
+        predicts x_{j+2}); entries j < s-1 of pass s have no valid input and must be masked
+        by the caller."""
         c = self.cfg
-        B, L, H = feats.shape
+        B, L, _ = feats.shape
+        H = c.hidden_size
         n = L - 1
         nxt = tokens[:, 1:]
         cos, sin = self._rope(n, feats.device)
+        eagle3 = c.arch == "eagle3"
         cos, sin = cos.to(feats.dtype), sin.to(feats.dtype)
         kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in self.layers]  # per layer, per pass
         outs: list[torch.Tensor] = []
-        f_in = feats[:, :n]
+        e = F.embedding(nxt, self.embed) if eagle3 else None
+        h_in = self.fuse(feats[:, :n]) if eagle3 else feats[:, :n]
         for s in range(1, passes + 1):
-            if s > 1:  # feature of entry j = previous pass's output at j - 1
-                prev = outs[-1]
-                f_in = torch.cat([torch.zeros_like(prev[:, :1]), prev[:, :-1]], 1)
-            h = self.input_proj(f_in, nxt)
+            if s > 1:  # the feature of entry j is the previous pass's output at j - 1
+                h_in = torch.cat([torch.zeros_like(fb[:, :1]), fb[:, :-1]], 1)
+            h = h_in if eagle3 else self.input_proj(h_in, nxt)
             for li, Lr in enumerate(self.layers):
-                h = self._layer(Lr, h, cos, sin, kv[li], s)
-            outs.append(F.rms_norm(h, (H,), self.norm, c.rms_norm_eps))
+                h = self._layer(Lr, h, cos, sin, kv[li], s, e if Lr.eagle3_first else None)
+            g = F.rms_norm(h, (H,), self.norm, c.rms_norm_eps)
+            outs.append(g)
+            fb = h if eagle3 and not c.norm_output else g
         return outs
 
-    def _layer(self, Lr: _Layer, h, cos, sin, kv_passes: list, s: int) -> torch.Tensor:
+    def _layer(self, Lr: _Layer, h, cos, sin, kv_passes: list, s: int, e: torch.Tensor | None) -> torch.Tensor:
         c = self.cfg
         B, n, H = h.shape
         hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-        x = F.rms_norm(h, (H,), Lr.input_layernorm, c.rms_norm_eps)
+        eps = c.rms_norm_eps
+        if e is not None:  # eagle3's first layer: [token; hidden] in, the hidden part is the residual
+            hn = F.rms_norm(h, (H,), Lr.hidden_norm, eps)
+            x = torch.cat([F.rms_norm(e.to(h.dtype), (H,), Lr.input_layernorm, eps), hn], -1)
+            if c.norm_before_residual:
+                h = hn
+        else:
+            x = F.rms_norm(h, (H,), Lr.input_layernorm, eps)
         q = Lr.q_proj(x).view(B, n, nh, hd).transpose(1, 2)
         k = Lr.k_proj(x).view(B, n, nkv, hd).transpose(1, 2)
         v = Lr.v_proj(x).view(B, n, nkv, hd).transpose(1, 2)
@@ -256,7 +420,7 @@ class DraftHead(nn.Module):
             for i, vr_sh in enumerate(diag_v):
                 a = a + p[..., n + i:n + i + 1] * vr_sh
         h = h + Lr.o_proj(a.transpose(1, 2).reshape(B, n, nh * hd))
-        x = F.rms_norm(h, (H,), Lr.post_attention_layernorm, c.rms_norm_eps)
+        x = F.rms_norm(h, (H,), Lr.post_attention_layernorm, eps)
         return h + Lr.down_proj(F.silu(Lr.gate_proj(x)) * Lr.up_proj(x))
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
@@ -288,6 +452,19 @@ def load_head_state(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     return load_file(str(Path(folder) / "model.safetensors"))
+
+
+def build_head(cfg: HeadConfig, state: dict[str, torch.Tensor], target_weights: dict[str, torch.Tensor],
+               tie: bool) -> DraftHead:
+    """A ``DraftHead`` from a saved head and its target's weights (the reference forward).
+    A head that carries its own token embedding (``embed_tokens.weight``, as speculators
+    checkpoints may) uses it; otherwise the target's."""
+    ids = state["vocab_ids"].to(torch.long)
+    out = state["lm_head.weight"] if cfg.own_lm_head else target_output_weight(target_weights, tie).index_select(0, ids)
+    embed = state.get("embed_tokens.weight", target_weights["model.embed_tokens.weight"])
+    head = DraftHead(cfg, embed.float(), out.float(), ids)
+    head.load_exported({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
+    return head.float()
 
 
 # ---- inference form -------------------------------------------------------------------

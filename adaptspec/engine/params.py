@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-DRAFTERS = ("none", "ngram", "draft")
+DRAFTERS = ("none", "ngram", "draft", "suffix")
 MAX_K = 16
 
 
