@@ -2,10 +2,14 @@
 
 Engine-free and Ray-free: the live service and the simulator drive the same classes.
 """
-from adaptspec.control.baselines import BatchSchedulePolicy, EmaPolicy, HeuristicPolicy, ScheduleRange, StaticPolicy
+from adaptspec.control.admission import SloAdmission
+from adaptspec.control.baselines import (
+    AdaptiveVerificationPolicy, BatchSchedulePolicy, EmaPolicy, HeuristicPolicy, PerClassStaticPolicy, ScheduleRange,
+    StaticPolicy,
+)
 from adaptspec.control.base import Policy, PolicyConfig
 from adaptspec.control.costmodel import OnlineStepCost, StepCostModel
-from adaptspec.control.oracle import OraclePolicy
+from adaptspec.control.oracle import PlannerOracle
 from adaptspec.control.thompson import ModelBasedThompson, ThompsonConfig
 from adaptspec.control.types import (
     NO_SPEC,
@@ -23,5 +27,6 @@ __all__ = [
     "Arm", "NO_SPEC", "Load", "RequestOutcome", "GroupOutcome", "StepOutcome", "ClassTarget",
     "DecisionStats", "Policy", "PolicyConfig", "ModelBasedThompson", "ThompsonConfig",
     "DiscountedUCB", "UCBConfig", "StaticPolicy", "BatchSchedulePolicy", "ScheduleRange",
-    "EmaPolicy", "HeuristicPolicy", "OraclePolicy", "OnlineStepCost", "StepCostModel",
+    "EmaPolicy", "HeuristicPolicy", "PlannerOracle", "OnlineStepCost", "StepCostModel", "PerClassStaticPolicy",
+    "AdaptiveVerificationPolicy", "SloAdmission",
 ]

@@ -14,6 +14,31 @@ import numpy as np
 _clip = np._core.umath.clip if hasattr(np, "_core") else np.core.umath.clip
 
 
+def arm_curves(p: np.ndarray, q: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Expected accepted length, drafted tokens and draft reach for k = 0..K.
+
+    p: [..., K] the conditional chance that position j is drafted and accepted given
+    1..j-1 were; q: [..., K] the conditional chance that position j is drafted (its
+    confidence passes the arm's threshold) given 1..j-1 were (None: always). Returns
+    [..., K + 1] accepted length (accepted + 1), [..., K + 1] drafted (verified) tokens, and
+    [..., K + 1, K] the chance the draft forward at position j (0-based) runs for an arm of
+    that k (positions before j passed the threshold, and j < k).
+    """
+    K = p.shape[-1]
+    L = accepted_length_curve(p)
+    if q is None:
+        m = np.broadcast_to(np.arange(K + 1, dtype=float), L.shape)
+        surv = np.ones(p.shape[:-1] + (K,))
+    else:
+        reach_tok = np.multiply.accumulate(q, axis=-1)  # [..., R, K] position j drafted
+        m = np.concatenate([np.zeros(q.shape[:-1] + (1,)), np.add.accumulate(reach_tok, axis=-1)], axis=-1)
+        # the draft forward at position j runs when positions before it passed
+        surv = np.concatenate([np.ones(q.shape[:-1] + (1,)), reach_tok[..., :-1]], axis=-1)
+    below = np.arange(K)[None, :] < np.arange(K + 1)[:, None]  # [K + 1, K] position j < k
+    reach = surv[..., None, :] * below
+    return L, m, reach
+
+
 def accepted_length_curve(p: np.ndarray) -> np.ndarray:
     """Expected accepted length (accepted + 1) for k = 0..K, from per-position probs.
 
@@ -111,7 +136,10 @@ class DiscountedBeta:
         self._prior_ab = np.array([self.prior_a, self.prior_b])[:, None]
         self._prior = self._prior_ab * (1 - self.discount)
 
-    def update(self, accepted_hist: np.ndarray, row: int = 0) -> None:
+    def update(self, accepted_hist: np.ndarray, row: int = 0, drafted_accepted: np.ndarray | None = None) -> None:
+        """``drafted_accepted`` [k + 1, k + 1] (requests that proposed m and kept j, see
+        ``GroupOutcome``): a request that proposed m < k and kept all m is censored at m (no
+        failure at m + 1); without it every request is taken to have proposed all k."""
         h = accepted_hist[: self.max_k + 1]
         n = h.size - 1
         # decay the evidence (not the prior) so an old regime is forgotten
@@ -119,7 +147,13 @@ class DiscountedBeta:
         ab *= self.discount
         ab += self._prior
         self.a[row, :n] += np.add.accumulate(h[::-1])[-2::-1]  # successes at position i: accepted >= i
-        self.b[row, :n] += h[:n]  # failures at position i: accepted == i - 1
+        if drafted_accepted is None:
+            self.b[row, :n] += h[:n]  # failures at position i: accepted == i - 1
+        else:
+            # failures at position i: accepted == i - 1 among requests that proposed >= i
+            H = drafted_accepted[: n + 1, : n + 1]
+            tail = np.add.accumulate(H[::-1], axis=0)[::-1]  # tail[m, j]: proposed >= m, kept j
+            self.b[row, :n] += np.diagonal(tail, offset=-1)[:n]
         self.updates += 1
 
     def fade(self, factor: float) -> None:

@@ -8,6 +8,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numpy as np
+
 from adaptspec.control.base import Clock, Policy, PolicyConfig
 from adaptspec.control.types import NO_SPEC, Arm, Load, StepOutcome
 
@@ -16,6 +18,7 @@ class StaticPolicy(Policy):
     """Always the same arm."""
 
     name = "static"
+    uses_picture = False
 
     def __init__(self, arm: Arm, config: PolicyConfig | None = None, *, clock: Clock = time.perf_counter) -> None:
         super().__init__(config, clock=clock)
@@ -140,3 +143,65 @@ class HeuristicPolicy(Policy):
             k = self.k.get(g.request_class, self.start_k)
             k = k + 2 if 2 * all_accepted >= g.num_requests else k - 1
             self.k[g.request_class] = min(max(k, 1), self.config.max_k)
+
+
+class PerClassStaticPolicy(Policy):
+    """A fixed arm per class (the fair static reference when classes differ); classes not
+    named take ``default``."""
+
+    name = "static-per-class"
+    uses_picture = False
+
+    def __init__(self, arms: dict[str, Arm], config: PolicyConfig | None = None, *, default: Arm = NO_SPEC,
+                 clock: Clock = time.perf_counter) -> None:
+        super().__init__(config, clock=clock)
+        self.arms, self.default = dict(arms), default
+        self.name = "static-" + ",".join(f"{c}={a}" for c, a in self.arms.items())
+
+    def _choose(self, request_class: str, load: Load) -> Arm:
+        return self.arms.get(request_class, self.default)
+
+
+class AdaptiveVerificationPolicy(Policy):
+    """vLLM's adaptive verification (PR #47808, ``enable_adaptive_verification``).
+
+    Every request drafts ``k`` tokens (``max_k`` unless given) with ``drafter``. Each step ranks every drafted
+    token across the batch by its estimated chance of acceptance (the product of the draft's
+    confidences up to it: a token is kept only if every one before it is) and verifies the
+    best ones, as many as maximise expected tokens per second of step by a cost table
+    profiled at start-up (``verify_s(tokens, context)``: the step's verification seconds).
+    It reads no latency target. The simulator calls ``select`` with the step's confidences.
+    """
+
+    name = "vllm-adaptive"
+    selects_tokens = True
+
+    def __init__(self, drafter: str, verify_s, config: PolicyConfig | None = None, *, k: int | None = None,
+                 clock: Clock = time.perf_counter) -> None:
+        super().__init__(config, clock=clock)
+        self.drafter, self.verify_s = drafter, verify_s
+        self.k = self.config.max_k if k is None else k
+        if not 1 <= self.k <= self.config.max_k:
+            raise ValueError(f"k: {self.k} is outside 1..max_k={self.config.max_k}")
+
+    def _choose(self, request_class: str, load: Load) -> Arm:
+        return Arm(self.drafter, self.k)
+
+    def select(self, confidence: np.ndarray, base_tokens: int, context_tokens: float, fixed_s: float) -> np.ndarray:
+        """confidence: [n, k] of the drafted tokens; base_tokens: the tokens the step verifies
+        anyway (one per request, plus prompt chunks); fixed_s: the step's other seconds
+        (drafting, overhead). Returns [n] how many drafted tokens of each request to verify."""
+        n, k = confidence.shape
+        if n == 0 or k == 0:
+            return np.zeros(n, dtype=np.int64)
+        p = np.cumprod(confidence, axis=1)  # chance that tokens 1..j are all accepted
+        flat = p.ravel()
+        order = np.argsort(-flat, kind="stable")
+        gain = np.concatenate([[0.0], np.cumsum(flat[order])])  # expected extra tokens verifying the top t
+        t = np.arange(gain.size)
+        rate = (n + gain) / (self.verify_s(base_tokens + t, context_tokens) + fixed_s)
+        top = int(np.argmax(rate))
+        # the chosen tokens form a prefix of each request's draft (p falls along a draft)
+        chosen = np.zeros(n * k, dtype=bool)
+        chosen[order[:top]] = True
+        return chosen.reshape(n, k).cumprod(axis=1).sum(axis=1)

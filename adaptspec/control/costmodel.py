@@ -49,6 +49,19 @@ class StepCostModel(Protocol):
     ) -> np.ndarray:  # [A] predicted step seconds
         ...
 
+    def step_time(
+        self,
+        verify_tokens: np.ndarray,  # [...] tokens in the verification pass
+        context_tokens: np.ndarray,  # [...] KV tokens read by the decoding requests
+        draft_batch: np.ndarray,  # [..., K] requests drafting with the draft model at position j (may be fractional)
+        ngram_requests: np.ndarray,  # [...] requests drafting with n-gram lookup
+        mean_context: float,  # mean context per decoding request
+    ) -> np.ndarray:  # [...] seconds of a step of that composition
+        """The planner's form: whole step compositions, any leading shape (several candidate
+        plans at many loads in one call). A draft position with under one request drafting
+        (an expected count) costs that share of one forward."""
+        ...
+
 
 def draft_batch(draft_other: np.ndarray, n_class: float, k_draft: np.ndarray) -> np.ndarray:
     """[K], scalar, [A] -> [A, K] requests drafting with the draft model at each position."""
@@ -215,6 +228,20 @@ class OnlineStepCost:
         self._stale = False
 
     batched = True  # predict takes [C, ...] rows (see StepCostModel)
+
+    def step_time(self, verify_tokens, context_tokens, draft_batch, ngram_requests, mean_context):
+        """Seconds of a step of a given composition (``StepCostModel.step_time``)."""
+        if self._stale:
+            self._refresh()
+        d0, d1, d2, d3 = self._dl
+        D = np.asarray(draft_batch, dtype=float)
+        forwards = np.minimum(D, 1.0).sum(axis=-1)  # a position drafted by under one request: that share
+        tokens = D.sum(axis=-1)
+        t = _interp(verify_tokens, self._xs, self._ys)
+        t = t + self._ctx_coef * np.asarray(context_tokens, dtype=float) + self.other_s
+        t = t + d0 * forwards + (d1 + d2 * np.asarray(mean_context, dtype=float) * _TOK) * _TOK * tokens
+        t = t + (d3 * _TOK) * np.asarray(ngram_requests, dtype=float)
+        return np.maximum(t, 1e-6)
 
     def predict(self, verify_tokens, context_tokens, draft_other, n_class, k_draft, ngram_requests, mean_context,
                 draft_depth=None):

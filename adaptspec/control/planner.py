@@ -1,21 +1,38 @@
-"""The batch picture a policy keeps, and the planner that picks a class's arm within it.
+"""The arm table, the batch picture a policy keeps, and the planner that picks every
+class's arm at once for the goodput of the queue the arms build.
 
-A request's arm changes the whole batch's step time, so an arm is judged by the goodput of
-the batch it joins: (emitted tokens of every request) / (predicted step time, less a prefill
-pass of its own, which no arm changes; latency targets count it). The rest of
-the batch is taken from the last observed step (its class mix, arms, prefill tokens and
-context), scaled to the current batch size.
+Why jointly and through the queue: a class's arm changes the step time of everyone, and
+the step time decides how fast requests leave, hence how many requests a step carries,
+hence the step time again. Judging an arm by the goodput of the batch as it is now (the
+planner before 2026-12-02) let a class with a TPOT target push a throughput class onto no
+speculation to shorten the current step; the throughput class then drained at half the
+speed, the batch grew, every step got longer, and the TPOT class missed anyway (operator
+scenario: 71-87% of the batch class's steps without drafting, target attainment 94-96%
+against 99.5% for a plain static draft:2).
 
-Latency targets: a class with a TPOT target only takes arms whose predicted per-token
-latency (step time / accepted length) is within ``margin * target``; every class's arm must
-also keep the step time within the TPOT budget of every latency class in the batch (each
-class's budget computed with at least its best one-candidate accepted length, see
-``ArmTable.budget_length``). Among feasible arms the planner maximises goodput. When none is
-feasible (a long step: a burst of prefill, a full batch), it takes the arm with the smallest
-worst-case ratio of predicted step time to budget, i.e. the one that comes closest to every
-latency class's target (ties within ``RATIO_TIE`` broken by goodput); but while requests
-wait for admission (a backlog that only throughput clears, and whose TTFT depends on it) it
-takes the best goodput.
+The planner models the steady state each joint assignment reaches (a fluid queue). With
+``w_c`` the tokens per second class c asks for, an arm with accepted length ``L_c`` keeps
+``N_c = w_c T / L_c`` of its requests in every step of length ``T`` (Little's law); the
+step carries their verify tokens, draft forwards and context, plus the prompt tokens
+arriving meanwhile (``P T``), and its length follows from the step-cost model. Scaling the
+demand by ``theta`` scales all of it: with ``u = theta T`` the step composition is
+proportional to ``u``, so one cost evaluation over a grid of ``u`` gives, for every
+candidate assignment, the load ``theta(u) = u / T(u)`` it sustains at each step length.
+An assignment is feasible at a load when the steady state exists there (theta still
+rising), every TPOT class's budget holds (``T / L_c <= margin * target``), and the step
+fits the replica (``sum N_c <= max_num_seqs``, verify + prefill tokens <= the step's
+token budget). Its capacity ``theta*`` is the highest feasible load.
+
+Objective (the scenario's goodput: requests meeting every SLO, TTFT included): first a
+capacity of at least ``headroom`` times today's demand (TTFT waits grow without bound as
+theta* nears 1, and Poisson arrivals need slack), the more the better up to that; among
+those, the fewest requests in the system at today's demand (the lowest mean latency).
+While requests wait for admission the demand seen is what was served, not what arrived,
+so the planner then maximises capacity alone. A class whose TPOT target no assignment
+meets even alone drops out of the constraints (it misses whatever the others do).
+
+Assignments are searched by coordinate moves from the current plan: every class's every
+arm with the others held, plus every arm for all classes at once, for a few rounds.
 """
 from __future__ import annotations
 
@@ -23,68 +40,86 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from adaptspec.control.costmodel import StepCostModel
-from adaptspec.control.types import NO_SPEC, Arm, ClassTarget, Load, StepOutcome
+from adaptspec.control.types import CONF_BINS, NO_SPEC, Arm, ClassTarget, StepOutcome
 
 
 @dataclass(slots=True)
 class ArmTable:
-    """The candidate arms as arrays: index 0 is no speculation."""
+    """The candidate arms as arrays: index 0 is no speculation.
+
+    Arms: for each drafter, for each confidence threshold (0 first), k = 1..max_k."""
 
     arms: list[Arm]
     k: np.ndarray  # [A]
     is_draft: np.ndarray  # [A] bool
-    is_ngram: np.ndarray  # [A] bool
-    below_k: np.ndarray  # [A, K] bool: position j (0-based) is drafted by the arm
+    is_ngram: np.ndarray  # [A] bool: drafts by host lookup (n-gram, suffix)
+    drafter_row: np.ndarray  # [A] index into the drafters list (-1: none)
+    thr_row: np.ndarray  # [A] index into (0,) + thresholds
+    thresholds: tuple[float, ...] = ()
     positions: dict[Arm, int] = field(default_factory=dict)
-    k_draft: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [A] k if the draft model, else 0
-    ngram_f: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [A] 1.0 for n-gram arms
-    kp1: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [A] k + 1
 
     @classmethod
-    def build(cls, drafters: tuple[str, ...], max_k: int) -> "ArmTable":
-        arms = [NO_SPEC] + [Arm(d, k) for d in drafters if d != "none" for k in range(1, max_k + 1)]
+    def build(cls, drafters: tuple[str, ...], max_k: int, thresholds: tuple[float, ...] = ()) -> "ArmTable":
+        ds = [d for d in drafters if d != "none"]
+        thr = (0.0,) + tuple(thresholds)
+        arms = [NO_SPEC]
+        drow, trow = [-1], [0]
+        for i, d in enumerate(ds):
+            for t, th in enumerate(thr):
+                for k in range(1, max_k + 1):
+                    arms.append(Arm(d, k, th))
+                    drow.append(i)
+                    trow.append(t)
         k = np.array([a.k for a in arms])
-        return cls(
-            arms,
-            k,
-            np.array([a.drafter == "draft" for a in arms]),
-            np.array([a.drafter == "ngram" for a in arms]),
-            np.arange(max_k)[None, :] < k[:, None],
-            {a: i for i, a in enumerate(arms)},
-            (k * np.array([a.drafter == "draft" for a in arms])).astype(float),
-            np.array([a.drafter == "ngram" for a in arms], dtype=float),
-            (k + 1).astype(float),
-        )
+        return cls(arms, k, np.array([a.drafter == "draft" for a in arms]), np.array([a.k > 0 and a.drafter != "draft" for a in arms]),
+                   np.array(drow), np.array(trow), tuple(thresholds), {a: i for i, a in enumerate(arms)})
+
+    @property
+    def threshold_bins(self) -> np.ndarray:
+        """[T + 1] each threshold row's lowest kept bin (0: no threshold)."""
+        return np.array([0] + [int(round(t * CONF_BINS)) for t in self.thresholds])
 
     def index(self, arm: Arm) -> int:
         """Position of ``arm``; an arm outside the table counts as no speculation."""
         return self.positions.get(arm, 0)
 
-    def budget_length(self, lengths: np.ndarray, arm: Arm) -> float:
-        """Accepted length a class's TPOT budget on the others is computed with: its current
-        arm's, but at least its best one-candidate arm's. Any class reaches that length for
-        about one draft token per request, so a class that dropped to no drafting for a step
-        must not shrink every other class's budget to one token per step (near saturation
-        that fed back into the whole batch collapsing to no speculation)."""
-        one = self.k == 1
-        floor = float(lengths[one].max()) if one.any() else 1.0
-        return max(float(lengths[self.index(arm)]), floor)
+    def per_arm(self, grid: np.ndarray, none_value: float, trailing: int = 0) -> np.ndarray:
+        """[..., D, T + 1, K + 1, *trailing] per (drafter, threshold, k) -> [..., A, *trailing]
+        per arm (no speculation: ``none_value``)."""
+        lead = grid.shape[: grid.ndim - 3 - trailing]
+        tail = grid.shape[grid.ndim - trailing:] if trailing else ()
+        sel = grid[(Ellipsis, self.drafter_row[1:], self.thr_row[1:], self.k[1:]) + (slice(None),) * trailing]
+        first = np.full(lead + (1,) + tail, none_value, dtype=float)
+        return np.concatenate([first, sel], axis=len(lead))
 
 
-# how fast a class's fill (candidates proposed / asked for) forgets: per observed group
-FILL_DISCOUNT = 0.98
+def check_thresholds(thresholds: tuple[float, ...], where: str = "thresholds") -> tuple[float, ...]:
+    """Thresholds must be bin edges in (0, 1), ascending, unique."""
+    out = []
+    for t in thresholds:
+        b = t * CONF_BINS
+        if not 0.0 < t < 1.0 or abs(b - round(b)) > 1e-9:
+            raise ValueError(f"{where}: {t} is not a multiple of {1 / CONF_BINS:g} within (0, 1)")
+        out.append(round(b) / CONF_BINS)
+    if sorted(set(out)) != out:
+        raise ValueError(f"{where}: must be ascending and unique, got {list(thresholds)}")
+    return tuple(out)
+
+
+# how fast the picture forgets, in seconds of observed steps (a class's demand moves with
+# arrivals: bursts of a few seconds must register, noise of single steps must not)
+DEMAND_HALF_LIFE_S = 4.0
+FILL_DISCOUNT = 0.98  # per observed group: a class's fill (candidates proposed / asked for)
 FILL_PRIOR = 4.0  # candidates of "proposes all k" a class starts from (a weak prior)
 
 
 @dataclass(slots=True)
 class ClassSlot:
-    share: float = 0.0  # fraction of the last step's decoding requests
-    arm: Arm = NO_SPEC
-    emitted_per_request: float = 1.0
+    tokens: float = 0.0  # discounted tokens emitted
+    request_seconds: float = 0.0  # discounted decoding requests x step seconds
+    arm: Arm = NO_SPEC  # the arm most of its requests ran in its last step
     # per drafter, discounted (candidates proposed, candidates asked for): n-gram lookup
     # proposes nothing when the context has no match, so its requests verify fewer than k + 1
-    # tokens (the chat prompts: about a third of the candidates asked for at k = 2)
     proposed: dict[str, list[float]] = field(default_factory=dict)
 
     def fill(self, drafter: str) -> float:
@@ -100,70 +135,123 @@ class ClassSlot:
 
 @dataclass(slots=True)
 class BatchPicture:
-    """What the last observed steps say about the batch (discounted averages)."""
+    """What the observed steps say about demand and the batch (time-discounted)."""
 
     classes: dict[str, ClassSlot] = field(default_factory=dict)
-    prefill_tokens: float = 0.0
-    context_per_request: float = 0.0
-    decoding: float = 1.0
-    smoothing: float = 0.2
+    half_life_s: float = DEMAND_HALF_LIFE_S
+    busy_s: float = 0.0  # discounted seconds of steps
+    prefill_tokens: float = 0.0  # discounted prompt tokens processed inside steps
+    prefill_s: float = 0.0  # discounted seconds of separate prefill passes (the live engine's)
+    context: float = 0.0  # discounted context tokens read by decoding requests
+    request_steps: float = 0.0  # discounted decoding requests per step, summed
+    request_seconds: float = 0.0  # discounted decoding requests x step seconds (time-average batch)
+    _steps_w: float = 0.0  # discounted number of steps
+    steps: int = 0
     version: int = 0  # bumped by every observed step
-    emitted: float = 0.0  # tokens emitted per step
 
     def observe(self, step: StepOutcome) -> None:
-        s = self.smoothing
         self.version += 1
-        n_dec = sum(g.num_requests for g in step.groups)
-        self.prefill_tokens += s * (step.num_prefill - self.prefill_tokens)
-        self.emitted += s * (sum(g.emitted for g in step.groups) - self.emitted)
-        if n_dec:
-            self.context_per_request += s * (step.context_tokens / n_dec - self.context_per_request)
-            self.decoding += s * (n_dec - self.decoding)
-        seen: dict[str, tuple[int, int, Arm, int]] = {}
-        for g in step.groups:
-            n = g.num_requests
-            if g.arm.k > 0 and n > 0:
-                self._slot(g.request_class).observe_proposed(g.arm.drafter, g.drafted, g.arm.k * n)
-            tot, emi, arm, best = seen.get(g.request_class, (0, 0, g.arm, 0))
-            if n > best:
-                arm, best = g.arm, n
-            seen[g.request_class] = (tot + n, emi + g.emitted, arm, best)
-        for c, slot in self.classes.items():
-            if c not in seen:
-                slot.share = slot.share * (1 - s) if slot.share > 1e-4 else 0.0
-        for c, (tot, emi, arm, _) in seen.items():
-            slot = self._slot(c)
-            slot.share += s * (tot / max(n_dec, 1) - slot.share)
-            slot.arm = arm
-            slot.emitted_per_request += s * (emi / tot - slot.emitted_per_request)
+        self.steps += 1
+        g = 0.5 ** (step.wall_s / self.half_life_s) if self.half_life_s > 0 else 0.0
+        self.busy_s = g * self.busy_s + step.wall_s
+        self.prefill_tokens = g * self.prefill_tokens + step.num_prefill
+        self.prefill_s = g * self.prefill_s + step.prefill_s
+        n_dec = 0
+        for slot in self.classes.values():
+            slot.tokens *= g
+            slot.request_seconds *= g
+        best: dict[str, int] = {}
+        for grp in step.groups:
+            n = grp.num_requests
+            n_dec += n
+            slot = self.classes.get(grp.request_class)
+            if slot is None:
+                slot = self.classes[grp.request_class] = ClassSlot()
+            slot.tokens += grp.emitted
+            slot.request_seconds += n * step.wall_s
+            if grp.arm.k > 0 and n > 0 and not grp.arm.min_confidence:  # a threshold's stops are no lack of matches
+                slot.observe_proposed(grp.arm.drafter, grp.drafted, grp.arm.k * n)
+            if n > best.get(grp.request_class, 0):
+                best[grp.request_class] = n
+                slot.arm = grp.arm
+        self.context = g * self.context + step.context_tokens
+        self.request_steps = g * self.request_steps + n_dec
+        self.request_seconds = g * self.request_seconds + n_dec * step.wall_s
+        self._steps_w = g * self._steps_w + 1.0
 
-    def _slot(self, request_class: str) -> ClassSlot:
+    def batch(self, request_class: str) -> float:
+        """Time-average decoding requests of the class per step."""
         slot = self.classes.get(request_class)
-        if slot is None:
-            slot = self.classes[request_class] = ClassSlot()
-        return slot
+        return slot.request_seconds / self.busy_s if slot is not None and self.busy_s > 0 else 0.0
 
+    @property
+    def prefill_per_step(self) -> float:
+        """Prompt tokens processed inside a step, time-averaged."""
+        return self.prefill_rate * (self.busy_s / max(self._steps_w, 1e-9)) if self._steps_w > 0 else 0.0
 
-# ratios of predicted step time to budget closer than this are ties: the cost model's step
-# times are accurate to a few percent (the load sweep's mean predicted and observed step
-# times agree within 1-3%), so finer distinctions are noise and throughput breaks them
-RATIO_TIE = 0.02
-REFRESH_STEPS = 4  # the batch mix changes slowly: recompute it every few observed steps
-_NO_K = np.zeros(1)  # "k_draft" of a whole-batch prediction (one array: the cost model caches by its id)
+    def demand(self, request_class: str) -> float:
+        """Tokens per second of steps the class was served (its demand while nothing queues)."""
+        slot = self.classes.get(request_class)
+        return slot.tokens / self.busy_s if slot is not None and self.busy_s > 0 else 0.0
+
+    @property
+    def prefill_rate(self) -> float:
+        """Prompt tokens processed inside steps per second of steps."""
+        return self.prefill_tokens / self.busy_s if self.busy_s > 0 else 0.0
+
+    @property
+    def prefill_share(self) -> float:
+        """Share of step time spent in separate prefill passes (0 in the simulator)."""
+        return min(self.prefill_s / self.busy_s, 0.9) if self.busy_s > 0 else 0.0
+
+    @property
+    def in_system(self) -> float:
+        """Time-average decoding requests per step (Little's N of the decode phase)."""
+        return self.request_seconds / self.busy_s if self.busy_s > 0 else 0.0
+
+    @property
+    def context_per_request(self) -> float:
+        return self.context / self.request_steps if self.request_steps > 0 else 0.0
 
 
 @dataclass(slots=True)
-class _Mix:
-    """The rest of the batch as seen by one class, per request of the others."""
+class ClassCurves:
+    """What the classes' arms do, per class and arm of the table."""
 
-    share: float  # this class's fraction of decoding requests
-    own_tokens: np.ndarray  # [A] verify tokens per request of this class with each arm (1 + proposed)
-    tokens: float  # verify tokens per other request
-    emitted: float  # emitted tokens per other request
-    draft: np.ndarray  # [K] fraction of other requests drafting with the draft model at j
-    ngram: float  # fraction of other requests drafting with n-gram lookup
-    depth: int  # deepest position any other request drafts with the draft model
-    budget: float  # step-time budget set by other classes' TPOT targets (inf: none)
+    lengths: np.ndarray  # [C, A] expected accepted length (tokens emitted per request-step)
+    tpot_lengths: np.ndarray  # [C, A] the accepted length each class's TPOT target is budgeted with
+    verify: np.ndarray  # [C, A] verify tokens per request-step (1 + candidates proposed)
+    reach: np.ndarray  # [C, A, K] chance the draft forward at position j runs for a request
+    usable: np.ndarray  # [C, A] bool: arms the policy may pick
+
+
+@dataclass(slots=True)
+class PlanInputs:
+    classes: list[str]
+    curves: ClassCurves
+    demand: np.ndarray  # [C] tokens per second
+    prefill_rate: float  # prompt tokens per second inside steps
+    prefill_share: float  # share of time in separate prefill passes
+    context_per_request: float
+    backlog: bool  # requests wait for admission
+    in_system: float = 0.0  # decoding requests seen per step under the plan in force (0: unknown)
+    batch: np.ndarray | None = None  # [C] decoding requests of each class seen per step (None: unknown)
+    prefill_per_step: float = 0.0  # prompt tokens a step carries, as seen
+
+
+@dataclass(slots=True)
+class PlanScore:
+    capacity: np.ndarray  # [R] theta*: the highest load the assignment sustains (TPOT targets aside)
+    class_capacity: np.ndarray  # [R, C] the highest load at which it also keeps each class's TPOT target
+    in_system: np.ndarray  # [R] requests in the system at today's demand (inf: not sustainable)
+    step_s: np.ndarray  # [R] step time at today's demand (inf: not sustainable)
+    goodput: np.ndarray  # [R] tokens per second of the batch as it is now (the closed-loop view)
+    theta0: np.ndarray  # [U] row 0's sustained load along the grid
+    n0: np.ndarray  # [U] row 0's requests in the system along the grid
+
+
+GRID = np.geomspace(0.5, 600.0, 40)  # u / (the empty step's time): loads from idle to far past saturation
+TOLERANCE = 0.01  # relative differences below this are ties (the models are not finer)
 
 
 @dataclass(slots=True)
@@ -171,197 +259,145 @@ class Planner:
     table: ArmTable
     targets: dict[str, ClassTarget]
     margin: float = 0.9
-    _mixes: dict[str, _Mix] = field(default_factory=dict)
-    _version: int = -1
+    headroom: float = 1.25
+    max_num_seqs: int | None = None
+    max_batched_tokens: int | None = None
+    rounds: int = 3
+    last_capacity: float = np.inf  # capacity / demand of the last plan's choice
 
-    def _mix(self, request_class: str, picture: BatchPicture, others_length: dict[str, float],
-             others_budget: dict[str, float] | None) -> _Mix:
-        if picture.version - self._version >= REFRESH_STEPS or picture.version < self._version:
-            self._mixes.clear()
-            self._version = picture.version
-        mix = self._mixes.get(request_class)
-        if mix is not None:
-            return mix
-        slots = picture.classes
-        K = self.table.below_k.shape[1]
-        total = sum(s.share for s in slots.values())
-        mine = slots.get(request_class)
-        my_share = mine.share if mine is not None else 0.0
-        other_total = total - my_share
-        share = my_share / total if my_share > 0 else 1.0 / (len(slots) + 1)
-        tokens = emitted = ngram = 0.0
-        draft = np.zeros(K)
-        budget = np.inf
-        own = self._own_tokens(mine)
-        for c, s in slots.items():
-            if c == request_class or s.share <= 0 or other_total <= 0:
-                continue
-            L_c = others_length.get(c, 1.0)
-            tgt = self.targets.get(c)
-            if tgt is not None and tgt.tpot_s is not None:
-                L_b = others_budget.get(c, L_c) if others_budget is not None else L_c
-                budget = min(budget, self.margin * tgt.tpot_s * L_b)
-            w = s.share / other_total
-            tokens += w * (1.0 + s.fill(s.arm.drafter) * s.arm.k)
-            emitted += w * L_c
-            if s.arm.drafter == "draft":
-                draft[: s.arm.k] += w
-            elif s.arm.drafter == "ngram":
-                ngram += w
-        mix = self._mixes[request_class] = _Mix(share, own, tokens, emitted, draft, ngram,
-                                                int(np.count_nonzero(draft)), budget)
-        return mix
+    def plan(self, x: PlanInputs, cost, current: np.ndarray) -> np.ndarray:
+        """[C] arm indices for ``x.classes`` (``current``: the plan in force, [C])."""
+        C, A = len(x.classes), len(self.table.arms)
+        usable = x.curves.usable
+        best = np.where(usable[np.arange(C), current], current, 0)
+        scale = None
+        for r in range(self.rounds):
+            rows = [best[None, :]]
+            moves = np.repeat(best[None, :], C * A, axis=0).reshape(C, A, C)
+            moves[np.arange(C), :, np.arange(C)] = np.arange(A)[None, :]
+            rows.append(moves.reshape(C * A, C))
+            if r == 0:
+                rows.append(np.repeat(np.arange(A)[:, None], C, axis=1))
+            X = np.concatenate(rows)
+            ok = usable[np.arange(C)[None, :], X].all(axis=1)
+            X = X[ok]
+            score = self.evaluate(X, x, cost)
+            if scale is None:  # row 0 is the plan in force
+                scale = self.calibration(score, x) if x.in_system > 0 and not x.backlog else 1.0
+            choice = self._pick(score, x.demand, x.backlog, scale)
+            self.last_capacity = float(score.capacity[choice]) / scale
+            if np.array_equal(X[choice], best):
+                break
+            best = X[choice]
+        return best
 
-    def _own_tokens(self, slot: ClassSlot | None) -> np.ndarray:
-        """[A] verify tokens per request of a class with each arm: 1 + the candidates its
-        drafter is expected to propose (k + 1 until the class has shown otherwise)."""
-        t = self.table
-        if slot is None or not slot.proposed:
-            return t.kp1
-        f = np.where(t.is_ngram, slot.fill("ngram"), np.where(t.is_draft, slot.fill("draft"), 0.0))
-        return 1.0 + f * t.k
+    def _pick(self, s: PlanScore, demand: np.ndarray, backlog: bool, scale: float = 1.0) -> int:
+        """The best row; row 0 (the plan in force) wins ties.
 
-    def plan(
-        self,
-        request_class: str,
-        load: Load,
-        picture: BatchPicture,
-        accepted_length: np.ndarray,  # [A] expected accepted length of each arm for this class
-        others_length: dict[str, float],  # expected accepted length of other classes' arms
-        cost: StepCostModel,
-        others_budget: dict[str, float] | None = None,  # accepted lengths for others' TPOT budgets
-        tpot_length: np.ndarray | None = None,  # [A] accepted length this class's TPOT is budgeted with
-    ) -> int:
-        """Index (in the arm table) of the best feasible arm for ``request_class``.
+        First the credit: each class's demand times the load (up to ``headroom``; unbounded
+        while requests queue) at which the assignment still serves it within its targets.
+        Among assignments within ``TOLERANCE`` of the best credit (under light load, all that
+        keep the targets), the most tokens per second from the batch as it is now: where load
+        is light, demand does not depend on the arms if arrivals are open (all serve it) and
+        throughput is what a closed loop of clients gets, so the step's goodput decides (the
+        steady state's latency would favour a class that is fast already over one that
+        speculation speeds up). ``scale``: see ``calibration``."""
+        goal = np.inf if backlog else self.headroom * scale
+        w = np.maximum(demand, 1e-3 * max(float(demand.sum()), 1.0))
+        credit = (np.minimum(s.class_capacity, goal) * w[None, :]).sum(axis=1)
+        top = float(credit.max())
+        near = credit >= top * (1.0 - TOLERANCE)
+        g = np.where(near, s.goodput, -np.inf)
+        best = float(g.max())
+        return 0 if g[0] >= best * (1.0 - TOLERANCE) else int(np.argmax(g))
 
-        ``others_budget`` (default: ``others_length``) gives the accepted length each other
-        latency class's TPOT budget is computed with (see ``ArmTable.budget_length``);
-        ``tpot_length`` (default: ``accepted_length``) the one this class's own TPOT is
-        (see ``acceptance.tpot_length_curve``: the mean less the spread a short request sees)."""
-        return self.plan_many([request_class], load, picture, accepted_length[None, :], others_length, cost,
-                              others_budget, None if tpot_length is None else tpot_length[None, :])[0]
+    def calibration(self, s: PlanScore, x: PlanInputs) -> float:
+        """The load, in units of the demand seen, at which the plan in force (row 0) keeps as
+        many requests in the system as were seen: capacities are then read relative to it.
+        Near saturation the steady state's batch hangs on a few percent of demand (a step-time
+        curve of slope 0.8 per unit load turns a 10% error in demand into 40% in the batch),
+        and a demand measured over seconds of Poisson arrivals is that noisy; the batch seen is
+        what the present load really does. (Scaling the demand by t scales every step's
+        composition at u as at t u, so every capacity by 1 / t: no new evaluation is needed.)"""
+        theta, n = s.theta0, s.n0
+        target = x.in_system
+        if not (n[0] < target < n[-1]):
+            return 1.0
+        i = int(np.searchsorted(n, target))
+        f = (np.log(target) - np.log(n[i - 1])) / (np.log(n[i]) - np.log(n[i - 1]))
+        t = theta[i - 1] + f * (theta[i] - theta[i - 1])
+        if not 0.2 < t < 5.0 or not (np.diff(theta[:i + 1]) > 0).all():
+            return 1.0
+        return float(t)
 
-    def plan_many(
-        self,
-        classes: list[str],
-        load: Load,
-        picture: BatchPicture,
-        accepted_length: np.ndarray,  # [C, A] per deciding class
-        others_length: dict[str, float],
-        cost: StepCostModel,
-        others_budget: dict[str, float] | None = None,
-        tpot_length: np.ndarray | None = None,  # [C, A]
-    ) -> list[int]:
-        """``plan`` for several classes under the same load in one pass (a step's snapshot).
+    def evaluate(self, X: np.ndarray, x: PlanInputs, cost) -> PlanScore:
+        """Steady states of candidate joint assignments ``X`` [R, C] (see the module docstring)."""
+        R, C = X.shape
+        cls = np.arange(C)[None, :]
+        cv = x.curves
+        Lx = cv.lengths[cls, X]  # [R, C]
+        Lt = cv.tpot_lengths[cls, X]
+        Vx = cv.verify[cls, X]
+        reach = cv.reach[cls, X]  # [R, C, K]
+        ng = self.table.is_ngram[X].astype(float)
+        w = np.maximum(x.demand, 1e-3 * max(float(x.demand.sum()), 1.0))  # [C] a class without traffic yet: a trickle
+        a = w[None, :] / Lx  # [R, C] requests per second of u
+        per_u_req = a.sum(axis=1)  # [R]
+        per_u_tok = x.prefill_rate + (a * Vx).sum(axis=1)
+        per_u_draft = (a[:, :, None] * reach).sum(axis=1)  # [R, K]
+        per_u_ngram = (a * ng).sum(axis=1)
+        ctx = x.context_per_request
+        share = x.prefill_share
+        K = reach.shape[-1]
+        t0 = float(np.asarray(cost.step_time(np.zeros(1), np.zeros(1), np.zeros((1, K)), np.zeros(1), ctx))[0])
+        u = t0 * GRID  # [U]
+        n = per_u_req[:, None] * u[None, :]  # [R, U]
+        V = per_u_tok[:, None] * u[None, :]
+        D = per_u_draft[:, None, :] * u[None, :, None]
+        T = np.asarray(cost.step_time(V, ctx * n, D, per_u_ngram[:, None] * u[None, :], ctx), dtype=float)
+        if share > 0:
+            T = T / (1.0 - share)
+        theta = u[None, :] / T
+        # the batch as it is now (each class's requests seen per step) under each row's arms
+        nb = x.batch if x.batch is not None and x.batch.sum() > 0 else w / w.sum() * max(x.in_system, 1.0)
+        nb = np.maximum(nb, 1e-3)[None, :]
+        T_now = np.asarray(cost.step_time(x.prefill_per_step + (nb * Vx).sum(axis=1), ctx * nb.sum(axis=1),
+                                          (nb[:, :, None] * reach).sum(axis=1), (nb * ng).sum(axis=1), ctx),
+                           dtype=float)
+        if share > 0:
+            T_now = T_now / (1.0 - share)
+        goodput = (nb * Lx).sum(axis=1) / T_now
+        feas = np.ones_like(T, dtype=bool)
+        if self.max_num_seqs is not None:
+            feas &= n <= self.max_num_seqs
+        if self.max_batched_tokens is not None:
+            feas &= V <= self.max_batched_tokens
+        rising = np.concatenate([np.ones((R, 1), dtype=bool), np.diff(theta, axis=1) > 0], axis=1)
+        ok = np.logical_and.accumulate(feas & rising, axis=1)
+        capacity = np.where(ok, theta, 0.0).max(axis=1)
+        limits = np.array([self._tpot(c) for c in x.classes])  # [C] inf: no target
+        class_capacity = np.repeat(capacity[:, None], C, axis=1)
+        if np.isfinite(limits).any():
+            # T / Lt_c <= margin * target for every class with a target
+            tpot_ok = T[:, :, None] <= (Lt * limits[None, :])[:, None, :]  # [R, U, C]
+            hopeless = ~tpot_ok[:, 0, :].any(axis=0)  # [C] no row meets it even at idle
+            tpot_ok |= hopeless[None, None, :]
+            ok_c = np.logical_and.accumulate(ok[:, :, None] & tpot_ok, axis=1)
+            class_capacity = np.where(ok_c, theta[:, :, None], 0.0).max(axis=1)
+        # today's demand (theta = 1): interpolate u where theta crosses 1 on the feasible branch
+        above = ok & (theta >= 1.0)
+        has = above.any(axis=1)
+        i = np.where(has, np.argmax(above, axis=1), 0)
+        rows = np.arange(R)
+        j = np.maximum(i - 1, 0)
+        th_i, th_j = theta[rows, i], theta[rows, j]
+        frac = np.where((i > 0) & (th_i > th_j), (1.0 - th_j) / np.maximum(th_i - th_j, 1e-12), 1.0)
+        frac = np.clip(frac, 0.0, 1.0)
+        u1 = u[j] + frac * (u[i] - u[j])
+        T1 = T[rows, j] + frac * (T[rows, i] - T[rows, j])
+        in_system = np.where(has, u1 * per_u_req, np.inf)
+        return PlanScore(capacity, class_capacity, in_system, np.where(has, T1, np.inf), goodput, theta[0], n[0])
 
-        Each class is planned against the batch picture alone, not against the others' new
-        choices, so row ``i`` is exactly ``plan(classes[i], ...)``; the arrays just carry a
-        row per class, which costs about what one class does."""
-        t = self.table
-        C = len(classes)
-        B = max(load.batch_size, 1)
-        ctx = load.context_tokens or picture.context_per_request * B
-        K = t.below_k.shape[1]
-        col = np.empty((6, C, 1))  # per class: verify base, n_c, n-gram base, emitted base, TPOT scale, budget
-        own_tokens = np.empty((C, len(t.arms)))
-        draft_other = np.empty((C, K))
-        depth = np.empty(C, dtype=np.intp)  # the draft forwards the others need (0 when there are none)
-        for i, c in enumerate(classes):
-            mix = self._mix(c, picture, others_length, others_budget)
-            n_c = max(B * mix.share, 1.0)
-            n_o = max(B - n_c, 0.0)
-            tgt = self.targets.get(c)
-            draft_other[i] = n_o * mix.draft
-            own_tokens[i] = mix.own_tokens
-            depth[i] = mix.depth if n_o > 0 else 0
-            col[:, i, 0] = (picture.prefill_tokens + n_o * mix.tokens, n_c, n_o * mix.ngram, n_o * mix.emitted,
-                            self.margin * tgt.tpot_s if tgt is not None and tgt.tpot_s is not None else np.inf,
-                            mix.budget)
-        verify0, n_c, ngram0, emitted0, scale, budget = col
-        verify = verify0 + n_c * own_tokens
-        ngram = ngram0 + n_c * t.ngram_f
-        T = _predict_rows(cost, verify, ctx, draft_other, n_c, t.k_draft, ngram, ctx / B, draft_depth=depth)
-        # with requests waiting, a step also serves prefill work (the chunk it carries):
-        # value it in decode-token equivalents, so long steps pay for delaying admission
-        backlog = picture.emitted if load.queued > 0 and picture.prefill_tokens > 0 else 0.0
-        goodput = (emitted0 + n_c * accepted_length + backlog) / T
-        # a prefill pass of its own (the live engine's) adds to every step whatever the arms:
-        # left out of goodput (each request prefills once, so it is no cost of an arm), counted
-        # against latency targets (StepOutcome.prefill_s)
-        prefill = getattr(cost, "prefill_s", 0.0)
-        T_lat = T + prefill if prefill > 0 else T
-        # the step time that keeps each class's TPOT in target (its own, and every other
-        # latency class's budget); inf where neither applies, so the best goodput wins
-        # (fmin: a class without a target has scale inf, and a length of 0 times inf is nan)
-        limit = (accepted_length if tpot_length is None else tpot_length) * scale
-        np.fmin(limit, budget, out=limit)
-        masked = np.where(T_lat <= limit, goodput, -np.inf)
-        out = masked.argmax(axis=1)
-        top = np.maximum.reduce(masked, axis=1)
-        if -np.inf in top.tolist():
-            stuck = top == -np.inf
-            # nothing feasible for these classes (a long step: a burst of prefill, a full
-            # batch). With requests waiting for admission, their TTFT hangs on throughput
-            # alone: take the best goodput. Otherwise the best goodput would hand the step to
-            # the very arms that make the latency classes miss; take the arm closest to every
-            # target instead, the smallest worst-case ratio of predicted step time to budget
-            # (T / limit), counting ratios within RATIO_TIE of it as ties that goodput breaks.
-            if load.queued > 0:
-                fallback = goodput.argmax(axis=1)
-            else:
-                r = T_lat / limit
-                close = r <= np.minimum.reduce(r, axis=1, keepdims=True) * (1.0 + RATIO_TIE)
-                fallback = np.where(close, goodput, -np.inf).argmax(axis=1)
-            out = np.where(stuck, fallback, out)
-        return self._share_the_draft(out.tolist(), classes, load, picture, accepted_length, cost, goodput,
-                                     own_tokens)
-
-    def _share_the_draft(self, out: list[int], classes: list[str], load: Load, picture: BatchPicture,
-                         accepted_length: np.ndarray, cost: StepCostModel, goodput: np.ndarray,
-                         own_tokens: np.ndarray) -> list[int]:
-        """Reconsider, jointly, the classes that chose the draft model.
-
-        Each class is planned against the batch picture, where the others keep their arms, so
-        a draft forward that another class pays for looks nearly free to it: two classes on
-        the draft model each see it as cheap and neither sees the move of both leaving it (no
-        draft forward at all). When the deciding classes are the whole batch and none has a
-        latency target, this prices the whole step for every subset of the drafting classes
-        moving to their best arm without the draft model and keeps the best goodput (the
-        empty subset is the per-class plan). Only for steps of two requests or more: at one
-        client the classes take turns, each step pays its own draft forward, and the
-        per-class plan already charges it in full."""
-        if self.targets:
-            return out
-        t = self.table
-        drafting = [i for i, a in enumerate(out) if t.is_draft[a]]
-        if not drafting:
-            return out
-        deciding = set(classes)
-        if any(s.share > 0 and c not in deciding for c, s in picture.classes.items()):
-            return out
-        B = max(load.batch_size, 1)
-        if B < 2:  # one request a step: the classes take turns and share no forward
-            return out
-        n = np.array([B * self._mixes[c].share for c in classes])
-        alt = np.where(t.is_draft, -np.inf, goodput[drafting]).argmax(axis=1)
-        leave = (np.arange(1 << len(drafting))[:, None] >> np.arange(len(drafting))) & 1  # [R, D] subsets
-        arms = np.tile(np.asarray(out), (leave.shape[0], 1))
-        arms[:, drafting] = np.where(leave == 1, alt, arms[:, drafting])
-        rows = np.arange(len(classes))
-        verify = picture.prefill_tokens + (n * own_tokens[rows, arms]).sum(axis=1)
-        draft = (n[None, :, None] * (t.below_k[arms] & t.is_draft[arms][..., None])).sum(axis=1)  # [R, K]
-        ngram = (n * t.is_ngram[arms]).sum(axis=1)
-        emitted = (n * accepted_length[rows, arms]).sum(axis=1)
-        ctx = load.context_tokens or picture.context_per_request * B
-        T = _predict_rows(cost, verify[:, None], ctx, draft, np.zeros((len(arms), 1)), _NO_K, ngram[:, None],
-                          ctx / B)[:, 0]
-        return arms[int(np.argmax(emitted / T))].tolist()
-
-
-def _predict_rows(cost: StepCostModel, verify, ctx, draft, n_c, k_draft, ngram, per_request, **batched_kw):
-    """Step times of R rows of candidates ([R, ...] arguments, ``n_c`` [R, 1]): one call on a
-    cost model that takes rows (``batched``), else one call per row."""
-    if getattr(cost, "batched", False):
-        return cost.predict(verify, ctx, draft, n_c, k_draft, ngram, per_request, **batched_kw)
-    return np.stack([np.asarray(cost.predict(verify[i], ctx, draft[i], float(n_c[i, 0]), k_draft, ngram[i],
-                                             per_request), dtype=float) for i in range(len(verify))])
+    def _tpot(self, request_class: str) -> float:
+        t = self.targets.get(request_class)
+        return self.margin * t.tpot_s if t is not None and t.tpot_s is not None else np.inf

@@ -13,29 +13,54 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-DRAFTERS = ("none", "ngram", "draft")
+# "draft" runs a draft model (a forward per drafted position); the others look tokens up on
+# the host (n-gram prompt lookup, the suffix drafter): the cost model prices them apart
+DRAFTERS = ("none", "ngram", "draft", "suffix")
 MAX_K = 16
+# draft confidences are counted in this many equal bins of [0, 1]; thresholds lie on bin edges
+CONF_BINS = 10
 
 
 @dataclass(slots=True, frozen=True)
 class Arm:
-    """(drafter, k): propose ``k`` candidates with ``drafter``; k = 0 means no drafting."""
+    """(drafter, k, min_confidence): propose up to ``k`` candidates with ``drafter``, stopping
+    a request's draft at its first token whose draft confidence is below ``min_confidence``
+    (0: never stop early); k = 0 means no drafting."""
 
     drafter: str = "none"
     k: int = 0
+    min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter: {self.drafter!r} is not one of {DRAFTERS}")
         if not 0 <= self.k <= MAX_K:
             raise ValueError(f"k: {self.k} is outside 0..{MAX_K}")
+        if not 0.0 <= self.min_confidence < 1.0:
+            raise ValueError(f"min_confidence: {self.min_confidence} is outside [0, 1)")
         if (self.drafter == "none") != (self.k == 0):
             # normalise: k = 0 is always the 'none' arm, 'none' always has k = 0
             object.__setattr__(self, "drafter", "none")
             object.__setattr__(self, "k", 0)
+        if self.k == 0 and self.min_confidence:
+            object.__setattr__(self, "min_confidence", 0.0)
 
     def __str__(self) -> str:
-        return "none" if self.k == 0 else f"{self.drafter}:{self.k}"
+        if self.k == 0:
+            return "none"
+        return f"{self.drafter}:{self.k}" + (f"@{self.min_confidence:.2f}" if self.min_confidence else "")
+
+    @classmethod
+    def parse(cls, text: str) -> "Arm":
+        """``none``, ``draft:4`` or ``draft:8@0.30`` (as ``str`` writes it); ValueError otherwise."""
+        body, _, conf = text.strip().partition("@")
+        drafter, _, k = body.partition(":")
+        if drafter != "none" and not k:
+            raise ValueError(f"arm: {text!r} is not none, <drafter>:<k> or <drafter>:<k>@<min_confidence>")
+        try:
+            return cls(drafter, int(k or 0), float(conf) if conf else 0.0)
+        except ValueError as exc:
+            raise ValueError(f"arm: {text!r}: {exc}") from None
 
 
 NO_SPEC = Arm("none", 0)
@@ -62,6 +87,44 @@ class RequestOutcome:
     accepted: int
     emitted: int  # accepted + 1 unless the request stopped inside the block
     drafted: int = -1  # candidates actually proposed (n-gram lookup often finds fewer); -1: k
+    # the drafter's confidence in each drafted token, in order (the head's probability, the
+    # n-gram match's frequency); None or empty: the drafter reports none
+    draft_confidence: list[float] | None = None
+    min_confidence: float = 0.0  # the arm's threshold (drafting stopped below it)
+
+
+@dataclass(slots=True)
+class ConfidenceCounts:
+    """What drafted tokens' confidences said, per confidence bin (``CONF_BINS`` of [0, 1]).
+
+    ``seen[j, b]``: tokens drafted at position j + 1 with confidence in bin b (drafting at
+    threshold 0 only: a threshold hides the confidences below it); ``accepted[b]`` /
+    ``rejected[b]``: verified tokens whose fate is known (up to the first rejection)."""
+
+    seen: np.ndarray  # [K, CONF_BINS]
+    accepted: np.ndarray  # [CONF_BINS]
+    rejected: np.ndarray  # [CONF_BINS]
+
+    @classmethod
+    def empty(cls, k: int) -> "ConfidenceCounts":
+        return cls(np.zeros((k, CONF_BINS)), np.zeros(CONF_BINS), np.zeros(CONF_BINS))
+
+    def add_request(self, confidence, drafted: int, accepted: int, threshold: float) -> None:
+        """One request's part: ``confidence`` of its drafted tokens (at least ``drafted``)."""
+        c = np.asarray(confidence[:drafted], dtype=float)
+        if c.size == 0:
+            return
+        b = conf_bin(c)
+        if threshold <= 0:
+            np.add.at(self.seen, (np.arange(min(b.size, self.seen.shape[0])), b[: self.seen.shape[0]]), 1.0)
+        np.add.at(self.accepted, b[: min(accepted, drafted)], 1.0)
+        if accepted < drafted:
+            self.rejected[b[accepted]] += 1.0  # the first rejection; later tokens' fate is unknown
+
+
+def conf_bin(c: np.ndarray) -> np.ndarray:
+    """Confidences -> bin indices 0..CONF_BINS-1."""
+    return np.minimum((np.asarray(c) * CONF_BINS).astype(np.int64), CONF_BINS - 1)
 
 
 @dataclass(slots=True)
@@ -76,12 +139,20 @@ class GroupOutcome:
     # candidates these requests proposed: fewer than k per request when n-gram lookup finds no
     # (or a short) match, and then the verification pass carries fewer tokens; -1: k each
     drafted: int = -1
+    # [k + 1, k + 1] requests that proposed m candidates and kept j (H[m, j]); None: every
+    # request proposed all k. A request that proposed m < k and kept all m did not fail at
+    # position m + 1 (it was never drafted): the acceptance posteriors censor it there
+    drafted_accepted: np.ndarray | None = None
+    confidence: ConfidenceCounts | None = None  # None: the drafter reports no confidences
 
     def __post_init__(self) -> None:
         if self.num_requests < 0:  # read many times per step by every policy: count once
             self.num_requests = int(self.accepted_hist.sum())
         if self.drafted < 0:
-            self.drafted = self.arm.k * self.num_requests
+            if self.drafted_accepted is not None:
+                self.drafted = int(np.dot(np.arange(self.drafted_accepted.shape[0]), self.drafted_accepted.sum(axis=1)))
+            else:
+                self.drafted = self.arm.k * self.num_requests
 
     @property
     def accepted(self) -> int:
@@ -127,18 +198,30 @@ class StepOutcome:
         """The engine adapter: aggregate per-request outcomes into groups."""
         acc: dict[tuple[str, Arm], list[int]] = {}
         emitted: dict[tuple[str, Arm], int] = {}
-        drafted: dict[tuple[str, Arm], int] = {}
+        drafted: dict[tuple[str, Arm], list[int]] = {}
+        conf: dict[tuple[str, Arm], ConfidenceCounts] = {}
         for r in requests:
-            key = (r.request_class, Arm(r.drafter, r.k))
+            key = (r.request_class, Arm(r.drafter, r.k, r.min_confidence if r.k else 0.0))
             k = key[1].k
-            acc.setdefault(key, []).append(min(r.accepted, k))
+            m = min(r.drafted, k) if r.drafted >= 0 else k
+            a = min(r.accepted, m)
+            acc.setdefault(key, []).append(a)
             emitted[key] = emitted.get(key, 0) + r.emitted
-            drafted[key] = drafted.get(key, 0) + (min(r.drafted, k) if r.drafted >= 0 else k)
-        groups = [
-            GroupOutcome(c, arm, np.bincount(np.asarray(a, dtype=np.int64), minlength=arm.k + 1), emitted[(c, arm)],
-                         len(a), drafted[(c, arm)])
-            for (c, arm), a in acc.items()
-        ]
+            drafted.setdefault(key, []).append(m)
+            if r.draft_confidence and k:
+                cc = conf.get(key)
+                if cc is None:
+                    cc = conf[key] = ConfidenceCounts.empty(k)
+                cc.add_request(r.draft_confidence, m, a, key[1].min_confidence)
+        groups = []
+        for (c, arm), a in acc.items():
+            m = drafted[(c, arm)]
+            hist = np.bincount(np.asarray(a, dtype=np.int64), minlength=arm.k + 1)
+            H = None
+            if arm.k and min(m) < arm.k:  # someone proposed fewer than k: say who
+                H = np.zeros((arm.k + 1, arm.k + 1))
+                np.add.at(H, (np.asarray(m), np.asarray(a)), 1.0)
+            groups.append(GroupOutcome(c, arm, hist, emitted[(c, arm)], len(a), int(sum(m)), H, conf.get((c, arm))))
         return cls(batch_size, num_prefill, verify_tokens, context_tokens, draft_s, verify_s,
                    other_s, wall_s, groups, queued, prefill_s)
 
@@ -152,7 +235,8 @@ class StepOutcome:
         part of every step in the planner's eyes, which made verifying more tokens look
         cheaper than it is, most at high load where prefill is half of a step on the CPU.)
         """
-        reqs = [RequestOutcome(r.request_id, r.request_class, r.drafter, r.k, r.accepted, r.emitted, r.drafted)
+        reqs = [RequestOutcome(r.request_id, r.request_class, r.drafter, r.k, r.accepted, r.emitted, r.drafted,
+                               getattr(r, "draft_confidence", None), float(getattr(r, "min_confidence", 0.0) or 0.0))
                 for r in st.requests]
         return cls.from_requests(
             reqs, batch_size=st.batch_size, num_prefill=0, verify_tokens=st.verify_tokens,

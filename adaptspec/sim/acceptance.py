@@ -85,6 +85,79 @@ class ReplayAcceptance:
 
 AcceptanceModel = BernoulliAcceptance | PositionAcceptance | ReplayAcceptance
 
+_GRID = (np.arange(4000) + 0.5) / 4000  # quadrature points on (0, 1)
+
+
+def _beta_weights(mean: np.ndarray, concentration: float) -> np.ndarray:
+    """[K, G] Beta(mean * c, (1 - mean) * c) densities on _GRID, normalised to sum 1 per row."""
+    m = np.clip(np.asarray(mean, dtype=float), 1e-4, 1 - 1e-4)[:, None]
+    a, b = m * concentration, (1 - m) * concentration
+    logp = (a - 1) * np.log(_GRID) + (b - 1) * np.log1p(-_GRID)
+    logp -= logp.max(axis=1, keepdims=True)
+    w = np.exp(logp)
+    return w / w.sum(axis=1, keepdims=True)
+
+
+@dataclass(slots=True)
+class ConfidenceAcceptance:
+    """A drafter that reports a confidence per drafted token.
+
+    At position j the confidence is c ~ Beta(p_j * concentration, (1 - p_j) * concentration),
+    independent across positions, with p_j the base model's acceptance there; the token is
+    accepted with probability g(c), the calibration (``None``: g(c) = c, a calibrated
+    drafter, and the base model's acceptance is kept exactly). A low concentration makes
+    confidences informative (near 0 or 1), a high one says little beyond p_j. ``calibration``
+    gives g at the centres of equal bins of [0, 1], linearly interpolated."""
+
+    base: AcceptanceModel
+    concentration: float
+    calibration: np.ndarray | None = None
+
+    def __post_init__(self) -> None:
+        if not self.concentration > 0:
+            raise ValueError(f"concentration: must be > 0, got {self.concentration}")
+        if self.calibration is not None:
+            self.calibration = np.asarray(self.calibration, dtype=float)
+            if self.calibration.size < 2 or np.any((self.calibration < 0) | (self.calibration > 1)):
+                raise ValueError("calibration: need at least two probabilities, each within [0, 1]")
+
+    def g(self, c: np.ndarray) -> np.ndarray:
+        if self.calibration is None:
+            return c
+        n = self.calibration.size
+        return np.interp(c, (np.arange(n) + 0.5) / n, self.calibration)
+
+    def position_probs(self, K: int) -> np.ndarray:
+        p = self.base.position_probs(K)
+        if self.calibration is None:
+            return p
+        return (_beta_weights(p, self.concentration) * self.g(_GRID)[None, :]).sum(axis=1)
+
+    def sample(self, k: int, n: int, rng: np.random.Generator) -> np.ndarray:
+        c, ok = self.sample_confidence(k, n, rng)
+        return np.cumprod(ok, axis=1).sum(axis=1)
+
+    def sample_confidence(self, k: int, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+        """[n, k] confidences and [n, k] whether each token would be accepted (given that
+        the ones before it were: the verifier stops at the first rejection)."""
+        p = np.clip(self.base.position_probs(k), 1e-4, 1 - 1e-4)
+        c = rng.beta(p * self.concentration, (1 - p) * self.concentration, size=(n, k))
+        return c, rng.random((n, k)) < self.g(c)
+
+    def threshold_curves(self, K: int, bins: np.ndarray, num_bins: int) -> tuple[np.ndarray, np.ndarray]:
+        """(r, q) [T, K] for thresholds at ``bins / num_bins``: q = P(c >= t) and
+        r = P(c >= t and accepted) per position (see ``adaptspec.control.confidence``)."""
+        w = _beta_weights(self.base.position_probs(K), self.concentration)  # [K, G]
+        above = _GRID[None, :] >= (np.asarray(bins, dtype=float) / num_bins)[:, None]  # [T, G]
+        q = above.astype(float) @ w.T
+        r = (above * self.g(_GRID)[None, :]).astype(float) @ w.T
+        return r, q
+
+
+def inner(model) -> AcceptanceModel:
+    """The acceptance model under a confidence wrapper (itself otherwise)."""
+    return model.base if isinstance(model, ConfidenceAcceptance) else model
+
 
 def mean_accepted_length(model: AcceptanceModel, k: int) -> float:
     """Expected accepted length (accepted + 1) at ``k`` from the model's position probs."""

@@ -115,6 +115,16 @@ class ProfileCostModel:
         """The fixed host seconds every step adds (``OnlineStepCost.seed_from`` seeds it apart)."""
         return self.profile.step_overhead_s
 
+    def step_time(self, verify_tokens, context_tokens, draft_batch, ngram_requests, mean_context):
+        """``control.costmodel.StepCostModel.step_time``: any leading shape, expected draft
+        batches (a position with under one request drafting costs that share of a forward)."""
+        D = np.asarray(draft_batch, dtype=float)
+        p = self.profile
+        fwd = np.interp(np.maximum(D, 1.0), self._dx, self._dy) * np.minimum(D, 1.0)
+        d = fwd.sum(axis=-1) + p.draft_context_s_per_token * D.sum(axis=-1) * mean_context
+        return (self.verify_s(verify_tokens, np.asarray(context_tokens, dtype=float)) + d
+                + p.ngram_s_per_request * np.asarray(ngram_requests, dtype=float) + p.step_overhead_s)
+
     # the control.costmodel.StepCostModel protocol (used by the oracle and to seed priors)
     def predict(self, verify_tokens, context_tokens, draft_other, n_class, k_draft, ngram_requests, mean_context):
         K = max(draft_other.size, int(np.max(k_draft, initial=0)))

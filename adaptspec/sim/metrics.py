@@ -92,6 +92,7 @@ class RunMetrics:
     tpot_quantiles: list[float] = field(default_factory=list)
     ttft_quantiles: list[float] = field(default_factory=list)
     clients: int | None = None  # a closed loop's client count (rate_rps is None then)
+    refused: int = 0  # measured requests refused at arrival (SLO-aware admission): they miss their SLOs
 
 
 def compute_metrics(policy: str, rate: float | None, req: Requests, rec: Recorder, class_names: list[str],
@@ -153,7 +154,15 @@ def compute_metrics(policy: str, rate: float | None, req: Requests, rec: Recorde
         timeline_k={n: [None if np.isnan(x) else float(x) for x in k_t[c, :last]] for c, n in enumerate(class_names)},
         tpot_quantiles=_quantiles(tpot[done & (req.output_tokens > 1)]),
         ttft_quantiles=_quantiles(ttft[done]),
+        refused=int((m & _refused(rec, len(req))).sum()),
     )
+
+
+def _refused(rec: Recorder, n: int) -> np.ndarray:
+    r = getattr(rec, "refused", None)
+    if r is None:
+        return np.zeros(n, dtype=bool)
+    return r[:n] if r.size >= n else np.concatenate([r, np.zeros(n - r.size, dtype=bool)])
 
 
 def _quantiles(x: np.ndarray) -> list[float]:

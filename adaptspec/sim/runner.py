@@ -8,6 +8,7 @@ from typing import Callable
 import numpy as np
 
 from adaptspec.control import (
+    AdaptiveVerificationPolicy,
     Arm,
     BatchSchedulePolicy,
     ClassTarget,
@@ -15,25 +16,38 @@ from adaptspec.control import (
     EmaPolicy,
     HeuristicPolicy,
     ModelBasedThompson,
-    OraclePolicy,
+    PerClassStaticPolicy,
+    PlannerOracle,
     Policy,
     PolicyConfig,
     ScheduleRange,
+    SloAdmission,
     StaticPolicy,
     ThompsonConfig,
     UCBConfig,
 )
-from adaptspec.sim.acceptance import AcceptanceModel, BernoulliAcceptance, PositionAcceptance, ReplayAcceptance
+from adaptspec.control.types import CONF_BINS
+from adaptspec.sim.acceptance import (
+    AcceptanceModel,
+    BernoulliAcceptance,
+    ConfidenceAcceptance,
+    PositionAcceptance,
+    ReplayAcceptance,
+)
 from adaptspec.sim.costs import ProfileCostModel
 from adaptspec.sim.gpu import builtin_profile
 from adaptspec.sim.metrics import SLO, RunMetrics, compute_metrics
 from adaptspec.sim.replica import ClassTruth
+from adaptspec.sim.lookahead import LookaheadOracle
 from adaptspec.sim.scenario import (
     AcceptanceSpec,
+    AdaptiveVerificationSpec,
     ConstantRate,
     EmaSpec,
     HeuristicSpec,
+    OraclePlannerSpec,
     OracleSpec,
+    PerClassStaticSpec,
     PolicySpec,
     Scenario,
     ScheduleSpec,
@@ -70,14 +84,23 @@ def acceptance_model(spec: AcceptanceSpec, base: Path, where: str, request_class
     return ReplayAcceptance(np.array(lengths) - 1, r.recorded_k)
 
 
+def with_confidence(spec: AcceptanceSpec, model: AcceptanceModel) -> AcceptanceModel | ConfidenceAcceptance:
+    """``model`` wrapped in the drafter's confidence model when the spec gives one."""
+    cf = spec.confidence
+    if cf is None:
+        return model
+    return ConfidenceAcceptance(model, cf.concentration, None if cf.calibration is None else np.array(cf.calibration))
+
+
 def class_truths(sc: Scenario, base: Path) -> list[ClassTruth]:
     out = []
     for i, c in enumerate(sc.classes):
-        acc = {d: acceptance_model(a, base, f"classes.{i}.acceptance.{d}", c.name, d) for d, a in c.acceptance.items()}
+        acc = {d: with_confidence(a, acceptance_model(a, base, f"classes.{i}.acceptance.{d}", c.name, d))
+               for d, a in c.acceptance.items()}
         shifted = None
         if c.shift is not None:
             shifted = dict(acc)
-            shifted.update({d: acceptance_model(a, base, f"classes.{i}.shift.acceptance.{d}", c.name, d)
+            shifted.update({d: with_confidence(a, acceptance_model(a, base, f"classes.{i}.shift.acceptance.{d}", c.name, d))
                             for d, a in c.shift.acceptance.items()})
         out.append(ClassTruth(c.name, acc, c.shift.at_s if c.shift else None, shifted))
     return out
@@ -104,9 +127,7 @@ class PolicyRun:
     on_shift: Callable[[], None] | None = None
 
 
-def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost: ProfileCostModel,
-                 clock: list[float], seed: int) -> PolicyRun:
-    """``clock`` holds the current simulated time (the oracle reads shifted truths by it)."""
+def scenario_targets(sc: Scenario) -> tuple[ClassTarget, ...]:
     targets = []
     for c in sc.classes:
         t = c.target
@@ -114,23 +135,68 @@ def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost:
             t = c.slo or sc.slo
         if t is not None and (t.tpot_s is not None or t.ttft_s is not None):
             targets.append(ClassTarget(c.name, t.tpot_s, t.ttft_s))
-    targets = tuple(targets)
-    cfg = PolicyConfig(tuple(sc.drafters), sc.max_k, targets, seed)
+    return tuple(targets)
+
+
+def scenario_slos(sc: Scenario) -> list[SLO]:
+    out = []
+    for c in sc.classes:
+        s = c.slo or sc.slo
+        out.append(SLO(s.ttft_s, s.tpot_s, s.e2e_s))
+    return out
+
+
+def static_assignments(sc: Scenario) -> list[dict[str, Arm]]:
+    """Every static arm and per-class static assignment the scenario compares (``*``: all classes)."""
+    out = []
+    for p in sc.policies:
+        if isinstance(p, StaticSpec):
+            out.append({"*": Arm(p.drafter, p.k, p.min_confidence)})
+        elif isinstance(p, PerClassStaticSpec):
+            out.append({c: Arm.parse(a) for c, a in p.arms.items()})
+    return out
+
+
+def admission_for(spec: PolicySpec, sc: Scenario) -> SloAdmission | None:
+    """The policy's SLO-aware admission (TTFT targets from the classes' SLOs)."""
+    on = spec.admission if spec.admission is not None else (sc.admission is not None and sc.admission.default)
+    if not on:
+        return None
+    ttft = {c.name: (c.slo or sc.slo).ttft_s for c in sc.classes if (c.slo or sc.slo).ttft_s is not None}
+    return SloAdmission(ttft, sc.admission.slack if sc.admission is not None else 1.0)
+
+
+def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost: ProfileCostModel,
+                 clock: list[float], seed: int) -> PolicyRun:
+    """``clock`` holds the current simulated time (the oracle reads shifted truths by it)."""
+    targets = scenario_targets(sc)
+    prof = cost.profile
+    cfg = PolicyConfig(tuple(sc.drafters), sc.max_k, targets, seed, tuple(sc.thresholds), prof.max_num_seqs,
+                       prof.max_batched_tokens)
     if isinstance(spec, ThompsonSpec):
-        p = ModelBasedThompson(cfg, ThompsonConfig(spec.discount, spec.cost_discount, spec.margin, spec.spread_z, spec.short_tokens,
-                                                 spec.fade_half_life_s),
-                               prior_cost=cost if spec.seed_cost_from_profile else None)
+        p = ModelBasedThompson(cfg, ThompsonConfig(
+            discount=spec.discount, cost_discount=spec.cost_discount, margin=spec.margin, spread_z=spec.spread_z,
+            short_tokens=spec.short_tokens, fade_half_life_s=spec.fade_half_life_s, headroom=spec.headroom,
+            replan_s=spec.replan_s, demand_half_life_s=spec.demand_half_life_s),
+            prior_cost=cost if spec.seed_cost_from_profile else None)
     elif isinstance(spec, UCBSpec):
         p = DiscountedUCB(cfg, UCBConfig(spec.mode, spec.discount, spec.window, spec.exploration))
     elif isinstance(spec, StaticSpec):
-        p = StaticPolicy(Arm(spec.drafter, spec.k), cfg)
+        p = StaticPolicy(Arm(spec.drafter, spec.k, spec.min_confidence), cfg)
+    elif isinstance(spec, PerClassStaticSpec):
+        arms = {c: Arm.parse(a) for c, a in spec.arms.items()}
+        p = PerClassStaticPolicy({c: a for c, a in arms.items() if c != "*"}, cfg, default=arms.get("*", Arm()))
+        p.name = policy_label(spec)
+    elif isinstance(spec, AdaptiveVerificationSpec):
+        p = AdaptiveVerificationPolicy(spec.drafter, cost.verify_s, cfg, k=spec.k)
+        p.name = policy_label(spec)
     elif isinstance(spec, ScheduleSpec):
         p = BatchSchedulePolicy(spec.drafter, [ScheduleRange(*r) for r in spec.schedule], cfg)
     elif isinstance(spec, EmaSpec):
         p = EmaPolicy(spec.drafter, cfg, start_k=spec.start_k, alpha=spec.alpha, up=spec.up, down=spec.down)
     elif isinstance(spec, HeuristicSpec):
         p = HeuristicPolicy(spec.drafter, cfg, start_k=spec.start_k)
-    elif isinstance(spec, OracleSpec):
+    elif isinstance(spec, (OracleSpec, OraclePlannerSpec)):
         by_name = {t.name: t for t in truths}
         K = sc.max_k
 
@@ -140,7 +206,18 @@ def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost:
                 return np.zeros(K)
             return t.at(clock[0])[drafter].position_probs(K)
 
-        p = OraclePolicy(truth, cost, cfg, margin=spec.margin, spread_z=spec.spread_z, short_tokens=spec.short_tokens)
+        def conf_truth(request_class: str, drafter: str, bins: np.ndarray):
+            t = by_name.get(request_class)
+            m = None if t is None else t.at(clock[0]).get(drafter)
+            if not isinstance(m, ConfidenceAcceptance):
+                return None
+            return m.threshold_curves(K, bins, CONF_BINS)
+
+        p = PlannerOracle(truth, cost, cfg, confidence=conf_truth, margin=spec.margin, headroom=spec.headroom,
+                          replan_s=spec.replan_s, spread_z=spec.spread_z, short_tokens=spec.short_tokens)
+        if isinstance(spec, OracleSpec):
+            p = LookaheadOracle(p, cfg, [c.name for c in sc.classes], scenario_slos(sc),
+                                statics=static_assignments(sc), epoch_s=spec.epoch_s, horizon_s=spec.horizon_s)
         return PolicyRun(p, p.invalidate)
     else:  # pragma: no cover - the union is closed
         raise ValueError(f"policies: unknown kind {spec!r}")
@@ -185,10 +262,7 @@ def run_scenario(sc: Scenario, base: Path | None, *, only: list[str] | None = No
         return run_closed_loop(sc, base, specs, seed=seed, progress=progress)
     rates = sc.sweep.rps if sc.sweep is not None else [None]
     result = ScenarioResult(sc.name)
-    slos = []
-    for c in sc.classes:
-        s = c.slo or sc.slo
-        slos.append(SLO(s.ttft_s, s.tpot_s, s.e2e_s))
+    slos = scenario_slos(sc)
     for rate in rates:
         # common random numbers: every policy sees the same requests and acceptance draws
         requests = _workload(sc, base, rate, np.random.default_rng([seed, 1]))
@@ -198,7 +272,8 @@ def run_scenario(sc: Scenario, base: Path | None, *, only: list[str] | None = No
             run = build_policy(spec, sc, truths, cost, clock, seed)
             result.policy_notes[label] = run.policy.describe_targets()
             setup = RunSetup(cost, truths, requests, sc.hardware.replicas, sc.hardware.router, sc.max_k,
-                             sc.duration_s, sc.drain_s, sc.timeline_bin_s, seed)
+                             sc.duration_s, sc.drain_s, sc.timeline_bin_s, seed, tuple(sc.drafters),
+                             admission_for(spec, sc))
 
             def on_progress(f: float, label=label, clock=clock) -> None:
                 clock[0] = f * (sc.duration_s + sc.drain_s)

@@ -72,11 +72,22 @@ class RecordedSpec(_Strict):
                                                  "this many request-steps, else the pooled per-position rates")
 
 
+class ConfidenceSpec(_Strict):
+    concentration: float = Field(gt=0, description="draft confidence at position j ~ Beta(p_j c, (1 - p_j) c) with "
+                                                   "p_j the acceptance there: low c, confidences near 0 or 1 (they "
+                                                   "tell accepted from rejected), high c, near p_j (they tell little)")
+    calibration: list[Annotated[float, Field(ge=0, le=1)]] | None = Field(
+        None, min_length=2, description="P(accepted | confidence) at the centres of equal bins of [0, 1] "
+                                        "(interpolated); null: calibrated, P(accepted | c) = c")
+
+
 class AcceptanceSpec(_Strict):
     bernoulli: float | None = Field(None, ge=0, lt=1, description="per-token acceptance rate")
     positions: list[Annotated[float, Field(ge=0, le=1)]] | None = Field(
         None, description="conditional acceptance per position (the last repeats)")
     replay: ReplaySpec | None = Field(None, description="accepted lengths recorded from the live engine")
+    confidence: ConfidenceSpec | None = Field(None, description="the drafter reports a confidence per drafted token "
+                                                                "(per-token draft stopping); null: it reports none")
     recorded: RecordedSpec | None = Field(None, description="per-k, per-position acceptance recorded from the live "
                                                             "engine, per class and drafter")
 
@@ -108,6 +119,9 @@ class ShiftSpec(_Strict):
 class ClassSpec(_Strict):
     name: str = Field(min_length=1, description="request class label")
     weight: float = Field(1.0, ge=0, description="share of arrivals (normalised over classes)")
+    weight_schedule: list[tuple[Annotated[float, Field(ge=0)], Annotated[float, Field(ge=0)]]] | None = Field(
+        None, min_length=1, description="[[from_s, weight], ...]: the class's weight from each time on (before the "
+                                        "first: `weight`); the mix moves over time without a trace")
     temperature: float = Field(0.0, ge=0, description="sampling temperature (the acceptance given is at this temperature)")
     prompt_tokens: LengthSpec | None = Field(None, description="prompt length distribution (not with a trace)")
     output_tokens: LengthSpec | None = Field(None, description="output length distribution (not with a trace)")
@@ -231,6 +245,8 @@ class HardwareSpec(_Strict):
 
 class _PolicyBase(_Strict):
     label: str | None = Field(None, description="name in tables and plots")
+    admission: bool | None = Field(None, description="SLO-aware admission for this policy's runs (null: the "
+                                                     "scenario's `admission`)")
 
 
 class ThompsonSpec(_PolicyBase):
@@ -244,6 +260,9 @@ class ThompsonSpec(_PolicyBase):
         60.0, gt=0, description="seconds of steps in which every drafter's acceptance evidence loses half its "
                                 "weight (a drafter that lost is tried again); null: no fading")
     seed_cost_from_profile: bool = Field(False, description="seed the cost model with the hardware profile")
+    headroom: float = Field(1.25, ge=1, description="capacity the plan seeks beyond the demand seen")
+    replan_s: float = Field(0.5, gt=0, description="seconds of steps between plans (one posterior draw each)")
+    demand_half_life_s: float = Field(4.0, gt=0, description="seconds of steps over which demand estimates forget")
 
 
 class UCBSpec(_PolicyBase):
@@ -258,6 +277,21 @@ class StaticSpec(_PolicyBase):
     kind: Literal["static"]
     drafter: Literal["none", "ngram", "draft"] = Field(description="drafter")
     k: int = Field(ge=0, le=16, description="drafted tokens per step")
+    min_confidence: float = Field(0.0, ge=0, lt=1, description="stop a request's draft at its first token below "
+                                                               "this confidence (0: never)")
+
+
+class PerClassStaticSpec(_PolicyBase):
+    kind: Literal["static_per_class"]
+    arms: dict[str, str] = Field(min_length=1, description="class -> arm (`none`, `draft:2`, `draft:8@0.3`); "
+                                                           "`*`: every class not named")
+
+
+class AdaptiveVerificationSpec(_PolicyBase):
+    kind: Literal["vllm_adaptive"]
+    drafter: Literal["ngram", "draft"] = Field(description="drafter (needs draft confidences)")
+    k: int | None = Field(None, ge=1, le=16, description="tokens every request drafts (vLLM's num_speculative_tokens); "
+                                                        "null: max_k")
 
 
 class ScheduleSpec(_PolicyBase):
@@ -281,15 +315,30 @@ class HeuristicSpec(_PolicyBase):
     start_k: int = Field(5, ge=1, le=16, description="initial k")
 
 
-class OracleSpec(_PolicyBase):
-    kind: Literal["oracle"]
+class OraclePlannerSpec(_PolicyBase):
+    kind: Literal["oracle_planner"]
     margin: float = Field(0.9, gt=0, le=1, description="keep TPOT within margin x target")
     spread_z: float = Field(2.0, ge=0, description="budget TPOT at z standard errors below a short request's mean accepted length")
     short_tokens: float = Field(64.0, gt=0, description="output tokens of the short request spread_z is taken for")
+    headroom: float = Field(1.25, ge=1, description="capacity the plan seeks beyond the demand seen")
+    replan_s: float = Field(0.5, gt=0, description="seconds of steps between plans")
+
+
+class OracleSpec(OraclePlannerSpec):
+    kind: Literal["oracle"]
+    epoch_s: float = Field(5.0, gt=0, description="simulated seconds between searches")
+    horizon_s: float = Field(10.0, gt=0, description="simulated seconds each candidate is played forward")
+
+    @model_validator(mode="after")
+    def _epoch(self) -> "OracleSpec":
+        if self.epoch_s > self.horizon_s:
+            raise ValueError("epoch_s: must be <= horizon_s")
+        return self
 
 
 PolicySpec = Annotated[
-    Union[ThompsonSpec, UCBSpec, StaticSpec, ScheduleSpec, EmaSpec, HeuristicSpec, OracleSpec],
+    Union[ThompsonSpec, UCBSpec, StaticSpec, PerClassStaticSpec, ScheduleSpec, EmaSpec, HeuristicSpec, OracleSpec,
+          OraclePlannerSpec, AdaptiveVerificationSpec],
     Field(discriminator="kind"),
 ]
 
@@ -298,10 +347,21 @@ def policy_label(spec: PolicySpec) -> str:
     if spec.label:
         return spec.label
     if isinstance(spec, StaticSpec):
-        return "static-none" if spec.k == 0 or spec.drafter == "none" else f"static-{spec.drafter}:{spec.k}"
+        if spec.k == 0 or spec.drafter == "none":
+            return "static-none"
+        return f"static-{spec.drafter}:{spec.k}" + (f"@{spec.min_confidence:.2f}" if spec.min_confidence else "")
+    if isinstance(spec, PerClassStaticSpec):
+        return "static-" + ",".join(f"{c}={a}" for c, a in spec.arms.items())
     if isinstance(spec, UCBSpec):
         return "ucb" if spec.mode == "discounted" else "ucb-window"
-    return {"vllm_schedule": "vllm-schedule"}.get(spec.kind, spec.kind)
+    if isinstance(spec, AdaptiveVerificationSpec):
+        return "vllm-adaptive" + (f"-k{spec.k}" if spec.k else "")
+    return {"vllm_schedule": "vllm-schedule", "oracle_planner": "oracle-planner"}.get(spec.kind, spec.kind)
+
+
+class AdmissionSpec(_Strict):
+    slack: float = Field(1.0, gt=0, description="admit while the predicted TTFT is within slack x the class's TTFT target")
+    default: bool = Field(True, description="for policies that do not say (`admission:` on a policy overrides it)")
 
 
 class Scenario(_Strict):
@@ -315,6 +375,11 @@ class Scenario(_Strict):
     drafters: list[Literal["ngram", "draft"]] = Field(default_factory=lambda: ["ngram", "draft"],
                                                       description="drafters the deployment has")
     max_k: int = Field(8, ge=1, le=16, description="largest k a policy may choose")
+    thresholds: list[float] = Field(default_factory=list, description="draft-confidence thresholds adaptive policies "
+                                                                     "may set (per-token draft stopping), multiples "
+                                                                     "of 0.1 in (0, 1); empty: none")
+    admission: AdmissionSpec | None = Field(None, description="SLO-aware admission (refuse a request that cannot "
+                                                              "meet its class's TTFT target); null: admit all")
     classes: list[ClassSpec] = Field(min_length=1, description="request classes")
     workload: WorkloadSpec = Field(description="arrivals")
     sweep: SweepSpec | None = Field(None, description="run the workload at several constant rates")
@@ -341,12 +406,60 @@ class Scenario(_Strict):
             for d in self.drafters:
                 if d not in c.acceptance:
                     raise ValueError(f"classes.{i}.acceptance: missing drafter {d!r}")
+        for i, p in enumerate(self.policies):
+            _check_policy(p, i, self)
+        for t in self.thresholds:
+            if not 0 < t < 1 or abs(t * 10 - round(t * 10)) > 1e-9:
+                raise ValueError(f"thresholds: {t} is not a multiple of 0.1 within (0, 1)")
         labels = [policy_label(p) for p in self.policies]
         if len(set(labels)) != len(labels):
             raise ValueError("policies: labels must be unique (set label:)")
         if self.warmup_s >= self.duration_s:
             raise ValueError("warmup_s: must be < duration_s")
         return self
+
+
+def _check_arm(drafter: str, k: int, sc: "Scenario", where: str) -> None:
+    if k > sc.max_k:
+        raise ValueError(f"{where}.k: {k} exceeds max_k {sc.max_k}")
+    if k and drafter != "none" and drafter not in sc.drafters:
+        raise ValueError(f"{where}.drafter: {drafter!r} is not deployed (drafters: {list(sc.drafters)})")
+
+
+def _check_policy(p, i: int, sc: "Scenario") -> None:
+    """Arms a policy may run must exist in the scenario: a k above max_k, or a drafter it
+    does not deploy, is an error naming the key (not an arm run at a k it is not charged for)."""
+    where = f"policies.{i}"
+    if isinstance(p, StaticSpec):
+        _check_arm(p.drafter, p.k, sc, where)
+    elif isinstance(p, PerClassStaticSpec):
+        from adaptspec.control.types import Arm
+
+        names = {c.name for c in sc.classes} | {"*"}
+        for c, text in p.arms.items():
+            if c not in names:
+                raise ValueError(f"{where}.arms.{c}: not a class of the scenario ({sorted(names - {'*'})})")
+            try:
+                arm = Arm.parse(text)
+            except ValueError as exc:
+                raise ValueError(f"{where}.arms.{c}: {exc}") from None
+            _check_arm(arm.drafter, arm.k, sc, f"{where}.arms.{c}")
+    elif isinstance(p, ScheduleSpec):
+        _check_arm(p.drafter, 1, sc, where)
+        for j, (start, end, k) in enumerate(p.schedule):
+            if k > sc.max_k:
+                raise ValueError(f"{where}.schedule.{j}: k {k} exceeds max_k {sc.max_k}")
+            if start > end or k < 0:
+                raise ValueError(f"{where}.schedule.{j}: need start <= end and k >= 0")
+    elif isinstance(p, (EmaSpec, HeuristicSpec)):
+        _check_arm(p.drafter, 1, sc, where)
+        if p.start_k > sc.max_k:
+            raise ValueError(f"{where}.start_k: {p.start_k} exceeds max_k {sc.max_k}")
+    elif isinstance(p, AdaptiveVerificationSpec):
+        _check_arm(p.drafter, p.k or 1, sc, where)
+        if not any(c.acceptance[p.drafter].confidence is not None for c in sc.classes if p.drafter in c.acceptance):
+            raise ValueError(f"{where}.drafter: vllm_adaptive ranks tokens by draft confidence; no class gives "
+                             f"{p.drafter!r} a `confidence:`")
 
 
 def _format_errors(err: ValidationError) -> str:

@@ -102,6 +102,8 @@ def _with_classes(t: np.ndarray, prompt: np.ndarray | None, output: np.ndarray |
     w = np.array([c.weight for c in classes], dtype=float)
     if w.sum() <= 0:
         raise ValueError("classes: at least one weight must be > 0")
+    if class_idx is None and any(c.weight_schedule for c in classes):
+        class_idx = _draw_classes(t, classes, rng)
     if class_idx is None:
         class_idx = rng.choice(len(classes), size=n, p=w / w.sum())
     p = np.zeros(n, dtype=np.int64) if prompt is None else prompt.astype(np.int64)
@@ -113,6 +115,26 @@ def _with_classes(t: np.ndarray, prompt: np.ndarray | None, output: np.ndarray |
         if output is None:
             o[m] = sample_lengths(c.output_tokens, int(m.sum()), rng)
     return Requests(t, np.maximum(p, 1), np.maximum(o, 1), class_idx.astype(np.int64))
+
+
+def class_weights_at(classes: list[ClassSpec], t: np.ndarray) -> np.ndarray:
+    """[len(t), C] each class's weight at times t (``weight``, then its ``weight_schedule``)."""
+    out = np.empty((t.size, len(classes)))
+    for i, c in enumerate(classes):
+        out[:, i] = c.weight
+        for start, weight in sorted(c.weight_schedule or ()):
+            out[t >= start, i] = weight
+    return out
+
+
+def _draw_classes(t: np.ndarray, classes: list[ClassSpec], rng: np.random.Generator) -> np.ndarray:
+    """A class per arrival from the weights in force at its time."""
+    w = class_weights_at(classes, t)
+    tot = w.sum(axis=1, keepdims=True)
+    if (tot <= 0).any():
+        raise ValueError(f"classes: every weight is 0 at {float(t[(tot[:, 0] <= 0)][0]):g} s")
+    cum = np.cumsum(w / tot, axis=1)
+    return np.minimum((rng.random(t.size)[:, None] > cum).sum(axis=1), len(classes) - 1)
 
 
 def read_trace(spec: TraceSpec, base: Path, classes: list[ClassSpec], duration_s: float,

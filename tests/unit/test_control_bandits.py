@@ -121,13 +121,15 @@ CHAT_DRAFT_GOOD = {"draft": BernoulliAcceptance(0.95), "ngram": BernoulliAccepta
 
 @pytest.mark.parametrize("fade", [None, 1.0])
 def test_a_drafter_that_lost_is_tried_again_only_with_fading(fade):
-    """Chat's draft model is useless for 300 steps (thompson settles on n-gram), then
-    excellent. Discounting only the drafter that ran never looks at the draft again (the
-    control); fading every drafter's evidence by step time (half-life 1 s of steps here, a
-    step is ~20 ms) tries it again and keeps it."""
+    """The draft model is useless for both classes for 300 steps (thompson settles on n-gram),
+    then excellent for chat. Discounting only the drafter that ran never looks at the draft
+    again (the control); fading every drafter's evidence by step time (half-life 1 s of steps
+    here, a step is ~20 ms) tries it again and keeps it. (Both classes start bad: with the
+    joint plan, a class that never tried the draft explores it, and a class whose draft
+    forward another class already pays for tries it almost for free.)"""
     policy = ModelBasedThompson(PolicyConfig(("ngram", "draft"), 8, (), seed=3), ThompsonConfig(fade_half_life_s=fade))
     before, after = 300, 600
-    history = run(policy, (CODE, CHAT_DRAFT_BAD), (CODE, CHAT_DRAFT_GOOD), before + after, before)
+    history = run(policy, (CHAT_DRAFT_BAD, CHAT_DRAFT_BAD), (CHAT_DRAFT_BAD, CHAT_DRAFT_GOOD), before + after, before)
     assert sum(b.drafter == "draft" for _, b in history[before - 100:before]) <= 10  # settled off the draft
     tail = [b.drafter for _, b in history[-100:]]
     if fade is None:

@@ -1,4 +1,4 @@
-"""Controller building blocks: arms, outcomes, posteriors, the online cost model, the planner."""
+"""Controller building blocks: arms, outcomes, posteriors, the online cost model, the baselines."""
 import numpy as np
 import pytest
 
@@ -15,7 +15,6 @@ from adaptspec.control import (
     StepOutcome,
 )
 from adaptspec.control.acceptance import DiscountedBeta, accepted_length_curve, successes_failures
-from adaptspec.control.planner import RATIO_TIE, BatchPicture, Planner, ArmTable
 
 
 def test_arm_validation_and_normalisation():
@@ -113,72 +112,6 @@ def test_online_cost_model_learns_a_piecewise_linear_verify_curve():
         assert pred == pytest.approx(true_verify(n, 50_000), rel=0.03)
 
 
-def test_planner_keeps_a_throughput_class_within_a_latency_class_budget():
-    class Linear:  # step time: 5 ms + 1 ms per verified token
-        def predict(self, verify, ctx, draft_other, n_class, k_draft, ngram, mean_ctx):
-            return 0.005 + 0.001 * np.asarray(verify, dtype=float)
-
-    table = ArmTable.build(("draft",), 8)
-    L = np.concatenate([[1.0], accepted_length_curve(np.full(8, 0.95))[1:]])
-    picture = BatchPicture()
-    picture.observe(_two_class_step())
-    others = {"chat": 2.0}  # chat's current arm emits 2 tokens per step
-    free = Planner(table, {}).plan("batch", Load(8), picture, L, others, Linear())
-    tight = Planner(table, {"chat": ClassTarget("chat", tpot_s=0.02)}).plan("batch", Load(8), picture, L, others, Linear())
-    # 4 chat requests verify 3 tokens each (draft:2); 4 batch requests verify k + 1 each.
-    # Without a target, goodput peaks at k = 6; chat's budget 0.9 * 20 ms * 2 = 36 ms allows
-    # 17 ms + 4 ms (k + 1) <= 36 ms, i.e. k <= 3, and k = 3 has the best goodput among those.
-    assert table.k[free] == 6
-    assert table.k[tight] == 3
-
-
-def test_planner_without_a_feasible_arm_takes_the_one_closest_to_the_targets_unless_requests_queue():
-    class Linear:  # step time: 5 ms + 1 ms per verified token
-        def predict(self, verify, ctx, draft_other, n_class, k_draft, ngram, mean_ctx):
-            return 0.005 + 0.001 * np.asarray(verify, dtype=float)
-
-    table = ArmTable.build(("draft",), 8)
-    L = np.concatenate([[1.0], accepted_length_curve(np.full(8, 0.95))[1:]])
-    picture = BatchPicture()
-    picture.observe(_two_class_step())
-    # chat's 5 ms target leaves a budget of 0.9 * 5 ms * 2 = 9 ms; the step takes
-    # 5 ms + 12 ms (chat) + 4 ms (k + 1) >= 21 ms whatever the batch class picks: nothing fits.
-    planner = Planner(table, {"chat": ClassTarget("chat", tpot_s=0.005)})
-    idle = planner.plan("batch", Load(8, queued=0), picture, L, {"chat": 2.0}, Linear())
-    queued = planner.plan("batch", Load(8, queued=3), picture, L, {"chat": 2.0}, Linear())
-    # nobody waits: take the step that comes closest to chat's budget (the shortest, k = 0);
-    # requests wait for admission: their TTFT needs throughput, so take the best goodput (k = 6)
-    assert table.k[idle] == 0
-    assert table.k[queued] == 6
-    # a latency class with no feasible arm takes its own lowest predicted TPOT (T / L), ratios
-    # within RATIO_TIE of the lowest counting as ties that goodput breaks: batch's 4 requests
-    # verify 3 tokens each, chat's 4 verify k + 1; T / L is 7.17 ms at k = 8, 7.28 ms at k = 7
-    # (within 2%), 7.46 ms at k = 6 (not), and k = 7 emits more per second of step than k = 8
-    own = Planner(table, {"chat": ClassTarget("chat", tpot_s=0.001)}).plan(
-        "chat", Load(8), picture, L, {"batch": 2.0}, Linear())
-    T = 0.005 + 0.001 * (12 + 4 * (table.k + 1))
-    r = T / L
-    assert r[8] < r[7] <= r[8] * (1 + RATIO_TIE) < r[6]
-    assert table.k[own] == 7
-
-
-def test_budget_length_is_at_least_the_best_one_candidate_length():
-    table = ArmTable.build(("ngram", "draft"), 4)
-    # [none, ngram:1..4, draft:1..4]
-    lengths = np.array([1.0, 1.2, 1.3, 1.35, 1.4, 1.45, 1.65, 1.74, 1.78])
-    assert table.budget_length(lengths, NO_SPEC) == pytest.approx(1.45)  # draft:1 is the best k = 1
-    assert table.budget_length(lengths, Arm("ngram", 1)) == pytest.approx(1.45)
-    assert table.budget_length(lengths, Arm("draft", 3)) == pytest.approx(1.74)
-
-
-def _two_class_step():
-    from adaptspec.control import GroupOutcome
-
-    groups = [GroupOutcome("chat", Arm("draft", 2), np.array([0, 4, 0]), 8),
-              GroupOutcome("batch", Arm("draft", 2), np.array([0, 0, 4]), 12)]
-    return StepOutcome(8, 0, 24, 8000, 0.001, 0.02, 0.001, 0.022, groups)
-
-
 def test_thompson_is_deterministic_for_a_seed_and_uses_the_injected_clock():
     ticks = iter(np.arange(0, 1000, 0.5))
 
@@ -224,123 +157,6 @@ def test_adapter_from_engine_step_stats_fields():
     # the engine's prefill pass is its own part, not host overhead (see StepOutcome.prefill_s)
     assert out.other_s == pytest.approx(0.002) and out.prefill_s == pytest.approx(0.01)
     assert out.queued == 4 and out.verify_tokens == 8 and out.wall_s == pytest.approx(0.043)
-
-
-def test_a_separate_prefill_pass_is_no_cost_of_an_arm():
-    """The live engine prefills in a pass of its own, the same whatever the arms: a cost model
-    that counted it as per-step overhead made verifying more tokens look cheaper the more a
-    step prefilled (at 16 clients on the CPU, half a step), and the policy speculated where it
-    lost (in-process at c = 16: 0.79 of no speculation). With it apart, the planner ranks arms
-    by the decode part alone; the same steps with the prefill booked as overhead (the control)
-    pick the speculative arm."""
-    from adaptspec.control import GroupOutcome
-
-    def steps(prefill_as_overhead: bool):
-        # 16 requests a step; verification costs 20 ms + 1.2 ms a token, prefill 60 ms a step;
-        # every fourth step drafts 2 n-gram tokens a request, accepted at positions 1 and 2
-        # with p = 0.35 and 0.7 (accepted length 1.6): 0.33 tokens/ms of decode against 0.41
-        # without drafting (but 0.18 against 0.16 with the prefill in every step's time)
-        out = []
-        rng = np.random.default_rng(0)
-        for i in range(400):
-            k = 2 if i % 4 == 0 else 0
-            n = 16
-            hist = np.bincount(rng.binomial(1, 0.35, n) * (1 + rng.binomial(1, 0.7, n)), minlength=3) if k else None
-            arm = Arm("ngram", 2) if k else Arm("none", 0)
-            g = GroupOutcome("x", arm, hist if k else np.array([n]), (int(np.dot(np.arange(3), hist)) if k else 0) + n)
-            tokens = n * (k + 1)
-            verify = 0.020 + 0.0012 * tokens
-            prefill = 0.060
-            other = 0.001 + (prefill if prefill_as_overhead else 0.0)
-            out.append(StepOutcome(n, 0, tokens, 200 * n, 0.0005 if k else 0.0, verify, other,
-                                   verify + other + (0.0 if prefill_as_overhead else prefill) + (0.0005 if k else 0.0),
-                                   [g], 0, 0.0 if prefill_as_overhead else prefill))
-        return out
-
-    def choice(prefill_as_overhead: bool) -> Arm:
-        p = ModelBasedThompson(PolicyConfig(("ngram",), 4, (), seed=0))
-        for o in steps(prefill_as_overhead):
-            p.observe(o)
-        # the planner on the posterior means (no sampling noise)
-        mean_lengths = p._lengths("x", sample=False)
-        return p.table.arms[p.planner.plan("x", Load(16, 0, 0, 3200), p.picture, mean_lengths, {}, p.cost)]
-
-    assert choice(False) == Arm("none", 0)
-    assert choice(True).drafter == "ngram"  # the control: the old booking speculates
-
-
-def test_planner_charges_n_gram_arms_for_the_candidates_the_class_actually_proposes():
-    """n-gram lookup proposes nothing without a match: a class whose requests propose a
-    third of the candidates they ask for verifies 1 + k / 3 tokens a request, not k + 1."""
-    from adaptspec.control import GroupOutcome
-
-    class Linear:  # step time: 5 ms + 1 ms per verified token
-        def predict(self, verify, ctx, draft_other, n_class, k_draft, ngram, mean_ctx):
-            return 0.005 + 0.001 * np.asarray(verify, dtype=float)
-
-    table = ArmTable.build(("ngram",), 4)
-    L = np.concatenate([[1.0], 1.0 + 0.35 * table.k[1:]])  # 0.35 tokens gained per candidate
-    ng2 = table.index(Arm("ngram", 2))
-
-    def step(drafted: int | None) -> StepOutcome:
-        g = GroupOutcome("chat", Arm("ngram", 2), np.array([7, 1, 0]), 9, drafted=-1 if drafted is None else drafted)
-        return StepOutcome(8, 0, 8 + g.drafted, 800, 0.0, 0.02, 0.0, 0.02, [g])
-
-    def verify_tokens(drafted):
-        picture = BatchPicture()
-        for _ in range(200):
-            picture.observe(step(drafted))
-        planner = Planner(table, {})
-        arm = planner.plan("chat", Load(8), picture, L, {}, Linear())
-        return planner._mix("chat", picture, {}, None).own_tokens, arm
-
-    full, arm_full = verify_tokens(None)  # proposes all k: k + 1 tokens, as before
-    assert full.tolist() == (table.k + 1).tolist()
-    third, arm_third = verify_tokens(5)  # 5 of the 16 asked for
-    assert third[ng2] == pytest.approx(1 + 2 * 5 / 16, rel=0.02)
-    assert third[0] == 1.0
-    # goodput 8 (1 + 0.35 k) / (13 ms + 8 f k ms) against 8 / 13 ms without drafting: better
-    # only when 0.35 > 8 f / 13, i.e. f < 0.57: not when every candidate is verified (f = 1)
-    assert table.k[arm_full] == 0
-    assert table.arms[arm_third].drafter == "ngram"
-
-
-def test_classes_sharing_the_draft_forward_are_reconsidered_together():
-    """Planned one by one, a class sees the draft forward another class already pays for as
-    free; the joint check prices the step with nobody on the draft model as well."""
-    from adaptspec.control import GroupOutcome
-
-    class Cost:  # 5 ms + 0.2 ms per verified token + F per draft forward
-        def __init__(self, forward_s):
-            self.forward_s = forward_s
-
-        def predict(self, verify, ctx, draft_other, n_class, k_draft, ngram, mean_ctx):
-            own = np.asarray(k_draft, dtype=float) * (np.asarray(n_class) > 0)
-            forwards = np.maximum(own, np.count_nonzero(draft_other))
-            return 0.005 + 0.0002 * np.asarray(verify, dtype=float) + self.forward_s * forwards
-
-    table = ArmTable.build(("draft",), 1)
-    L = np.array([1.0, 1.3])  # none, draft:1
-    picture = BatchPicture()
-    step = StepOutcome(4, 0, 8, 800, 0.0, 0.02, 0.0, 0.02,
-                       [GroupOutcome("a", Arm("draft", 1), np.array([1, 1]), 3),
-                        GroupOutcome("b", Arm("draft", 1), np.array([1, 1]), 3)])
-    for _ in range(50):
-        picture.observe(step)
-    planner = Planner(table, {})
-    # one class alone, the other keeping draft:1: the forward is paid anyway, so draft:1
-    # (16.6 ms for 5.2 tokens against 16.2 ms for 4.6)
-    assert table.arms[planner.plan("a", Load(4), picture, L, {"b": 1.3}, Cost(0.010))] == Arm("draft", 1)
-    # both at once: 10 ms of draft forward buys 1.2 tokens; without it 4 tokens in 5.8 ms
-    both = planner.plan_many(["a", "b"], Load(4), picture, np.stack([L, L]), {"a": 1.3, "b": 1.3}, Cost(0.010))
-    assert [table.arms[i] for i in both] == [NO_SPEC, NO_SPEC]
-    # a cheap forward (0.5 ms): drafting together pays (5.2 tokens in 7.1 ms), so it stays
-    cheap = planner.plan_many(["a", "b"], Load(4), picture, np.stack([L, L]), {"a": 1.3, "b": 1.3}, Cost(0.0005))
-    assert [table.arms[i] for i in cheap] == [Arm("draft", 1), Arm("draft", 1)]
-    # a latency target switches the joint check off (the per-class plan keeps the budgets)
-    tight = Planner(table, {"a": ClassTarget("a", tpot_s=1.0)})
-    kept = tight.plan_many(["a", "b"], Load(4), picture, np.stack([L, L]), {"a": 1.3, "b": 1.3}, Cost(0.010))
-    assert [table.arms[i] for i in kept] == [Arm("draft", 1), Arm("draft", 1)]
 
 
 def test_a_cost_model_seeded_from_a_profile_predicts_the_profile():
