@@ -146,11 +146,24 @@ class ControllerOptions(_Strict):
                            "only)")
     checkpoint_interval_s: float = Field(10.0, gt=0, description="seconds between checkpoints (also written after "
                                                                  "every policy update)")
+    confidence_thresholds: list[float] = Field(
+        default_factory=list,
+        description="per-token draft stopping: draft-confidence thresholds the model-based policy may set per class "
+                    "(multiples of 0.1 in (0, 1), e.g. [0.3, 0.5, 0.7]); it prices them from the confidences the "
+                    "drafters report and live acceptance, and takes one only where it pays; empty: never stops a "
+                    "draft early")
     cost_profile: str | None = Field(
         "auto", description="step-cost prior for the model-based policy: a built-in profile name "
                             "(e.g. cpu-smollm2-135m-fp32), a path to an `adaptspec calibrate` JSON, `auto` "
                             "(when SmolLM2-135M runs on the CPU: its step costs as measured on the project's "
                             "test box, adaptspec/data/profiles) or null (learn online only)")
+
+    @field_validator("confidence_thresholds")
+    @classmethod
+    def _thresholds(cls, v: list[float]) -> list[float]:
+        from adaptspec.control.planner import check_thresholds
+
+        return list(check_thresholds(tuple(v), "confidence_thresholds"))
 
     @field_validator("policy")
     @classmethod
@@ -158,6 +171,18 @@ class ControllerOptions(_Strict):
         if v.split(":", 1)[0] not in POLICIES:
             raise ValueError(f"policy: {v!r} is not one of {POLICIES} (static as static:<drafter>:<k>)")
         return v
+
+
+class AdmissionOptions(_Strict):
+    """SLO-aware admission (``adaptspec.control.admission``): a request of a class with a TTFT
+    target (``classes[].ttft_s``) is refused at once with RESOURCE_EXHAUSTED when the requests
+    waiting ahead of it, at the rate the replica has been starting them, would hold it past
+    ``slack`` x that target; classes without ``ttft_s`` are always admitted."""
+
+    enabled: bool = Field(False, description="refuse requests that cannot meet their class's TTFT target "
+                                             "(RESOURCE_EXHAUSTED at once; a client can retry elsewhere)")
+    slack: float = Field(1.0, gt=0, description="admit while the predicted TTFT is within slack x the class's "
+                                                "ttft_s")
 
 
 class FaultInjection(_Strict):
@@ -217,6 +242,8 @@ class ServiceConfig(_Strict):
     default_max_tokens: int = Field(128, ge=1, description="max_tokens when the request leaves it unset")
     max_tokens_limit: int = Field(1024, ge=1, description="largest max_tokens a request may ask for")
     faults: FaultInjection | None = Field(None, description="inject drafter faults (tests, chaos drills)")
+    admission: AdmissionOptions = Field(default_factory=AdmissionOptions,
+                                        description="SLO-aware admission by each class's TTFT target")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="who may call the admin methods")
     http: HttpApiOptions = Field(default_factory=HttpApiOptions, description="the OpenAI-compatible HTTP API")
     allow_client_speculation: bool = Field(

@@ -104,7 +104,8 @@ class ControlCore:
     def _make(self, name: str, field_name: str):
         return make_policy(name, drafters=self.drafters, max_k=self.max_k, targets=self.targets,
                            seed=self.config.controller.seed, prior_cost=self.prior_cost,
-                           fade_half_life_s=self.config.controller.fade_half_life_s, field=field_name)
+                           fade_half_life_s=self.config.controller.fade_half_life_s,
+                           thresholds=tuple(self.config.controller.confidence_thresholds), field=field_name)
 
     # ---- replicas ------------------------------------------------------------------------
     def report(self, rep: ReplicaReport) -> PolicySnapshot:

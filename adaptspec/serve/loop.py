@@ -227,6 +227,12 @@ class _Stream:
 class _Callers:
     """``generate`` and the delivery to callers' event loops; subclasses post to a core."""
 
+    # SLO-aware admission (set by the replica from ``ServiceConfig.admission``; None: off). Its
+    # units here are requests: requests waiting for their first token ahead of a new one, and
+    # prefills a second while requests wait (from the step stats the reports collect)
+    admission = None
+    _running = 0  # requests in the engine's last verification pass
+
     def __init__(self, *, drafters: tuple[str, ...], max_in_flight: int, replica_id: str, detok):
         self.drafters = drafters
         self.max_in_flight = max_in_flight
@@ -264,6 +270,11 @@ class _Callers:
             elif len(self._streams) >= self.max_in_flight:
                 refused = _error(req, RESOURCE_EXHAUSTED, f"queue full: {self.max_in_flight} requests in flight on "
                                                           f"replica {self.replica_id}; retry later")
+            elif self.admission is not None and not self.admission.admit(
+                    req.request_class, 1, max(len(self._streams) - self._running, 0)):
+                refused = _error(req, RESOURCE_EXHAUSTED, f"request_class {req.request_class!r}: the requests waiting on "
+                                                          f"replica {self.replica_id} would hold this one past its TTFT "
+                                                          "target; retry later or elsewhere")
             else:
                 stream = _Stream(loop, asyncio.Queue(), loop.create_future(), req.stream, stop=tuple(req.params.stop))
                 self._streams[req.request_id] = stream
@@ -316,7 +327,13 @@ class _Callers:
         stream.text = text
 
     def take_step_stats(self) -> list:
-        return _drain(self._step_stats)
+        steps = _drain(self._step_stats)
+        if self.admission is not None:
+            for st in steps:
+                self.admission.observe(st.wall_s, st.num_prefill, st.num_waiting > 0)
+            if steps:
+                self._running = steps[-1].batch_size
+        return steps
 
     def take_finished(self) -> list[tuple[str, str, int]]:
         return _drain(self._finished)
@@ -391,13 +408,23 @@ def engine_state(eng, drafter_faults: int = 0) -> ReplicaState:
                         context_tokens=last.context_tokens if last else 0, free_slots=len(eng.scheduler.free_slots))
 
 
+def slo_admission(config):
+    """The replica's SLO-aware admission from ``ServiceConfig.admission`` (None: off, or no
+    class has a TTFT target)."""
+    from adaptspec.control.admission import SloAdmission
+
+    ttft = {c.name: c.ttft_s for c in config.classes if c.ttft_s is not None}
+    return SloAdmission(ttft, config.admission.slack) if config.admission.enabled and ttft else None
+
+
 def apply_arms(eng, snap: PolicySnapshot, drafters: tuple[str, ...], follows=lambda request_id: True) -> None:
     """Before a step: every request that ``follows`` the policy takes its class's arm in ``snap``."""
     for rid, seq in eng.requests.items():
         if not follows(rid):
             continue
         arm = snap.arm_for(seq.request_class)
-        if seq.spec.drafter != arm.drafter or seq.spec.k != arm.k:
+        if (seq.spec.drafter != arm.drafter or seq.spec.k != arm.k
+                or getattr(seq.spec, "min_confidence", 0.0) != arm.min_confidence):
             seq.spec = _spec(arm, drafters)
 
 
@@ -428,6 +455,8 @@ def _spec(arm: Arm, drafters: tuple[str, ...]):
 
     if arm.k == 0 or arm.drafter not in drafters:
         return SpecConfig("none", 0)
+    if arm.min_confidence:  # per-token draft stopping (the controller's threshold for the class)
+        return SpecConfig(arm.drafter, arm.k, arm.min_confidence)
     return SpecConfig(arm.drafter, arm.k)
 
 

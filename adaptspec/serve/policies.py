@@ -11,11 +11,11 @@ AVAILABLE = ("thompson", "ucb", "ema", "heuristic", "static:<drafter>:<k>")
 
 def make_policy(name: str, *, drafters: tuple[str, ...], max_k: int, targets: tuple[ClassTarget, ...] = (),
                 seed: int = 0, prior_cost=None, fade_half_life_s: float | None = 60.0,
-                field: str = "policy") -> Policy:
+                thresholds: tuple[float, ...] = (), field: str = "policy") -> Policy:
     """Build a policy by name; ValueError names ``field`` on a bad name. ``prior_cost``: a
     ``StepCostModel`` seeding the model-based policy; ``fade_half_life_s``: its evidence fading
     (``ThompsonConfig.fade_half_life_s``)."""
-    cfg = PolicyConfig(drafters=tuple(drafters), max_k=max_k, targets=targets, seed=seed)
+    cfg = PolicyConfig(drafters=tuple(drafters), max_k=max_k, targets=targets, seed=seed, thresholds=tuple(thresholds))
     base, _, rest = name.partition(":")
     best = "draft" if "draft" in drafters else drafters[0]
     if base == "thompson":

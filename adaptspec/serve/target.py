@@ -20,6 +20,7 @@ from ray import serve
 from adaptspec.control.types import StepOutcome
 from adaptspec.serve.config import ServiceConfig
 from adaptspec.serve.ingress import Ingress
+from adaptspec.serve.loop import slo_admission
 from adaptspec.serve.types import EngineRequest, ReplicaReport
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class TargetEngine(Ingress):
             self.loop = await ProcessEngineLoop.start(cfg, replica_id=self.replica_id)
         else:
             self.loop = await self._thread_loop(cfg, drafter)
+        self.loop.admission = slo_admission(cfg)
         try:
             self.controller = controller
             self.metrics = ServiceMetrics(cfg)
