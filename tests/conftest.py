@@ -77,3 +77,54 @@ def smollm_engine(smollm_dir):
     resolve("smollm2-135m-first4", quiet=True)
     return Engine.from_pretrained(str(smollm_dir), draft="smollm2-135m-first4", dtype="float32",
                                   max_num_seqs=8, max_model_len=1024)
+
+
+class SlotAdapter:
+    """Drive a ``LlamaModel``'s paged forward the way a test thinks of it: ``slots`` of up to
+    ``max_len`` positions, padded ``[B, T]`` inputs. Each slot gets its own blocks, shuffled
+    so that no sequence's blocks are contiguous (the paging is exercised, not bypassed)."""
+
+    BLOCK = 16
+
+    def __init__(self, model, num_slots: int, max_len: int, seed: int = 0):
+        import random
+
+        self.model = model
+        n = -(-max_len // self.BLOCK)
+        ids = list(range(num_slots * n))
+        random.Random(seed).shuffle(ids)
+        self.tables = [ids[s * n:(s + 1) * n] for s in range(num_slots)]
+        self.max_len = max_len
+        model.allocate_kv(num_slots * n, self.BLOCK)
+
+    def __getattr__(self, name):  # cfg, k_cache, ...: the model's
+        return getattr(self.model, name)
+
+    def forward(self, input_ids, slots, cache_lens, num_tokens, logits_rows=None, inputs_embeds=None):
+        """Old-style call: logits ``[N, vocab]`` for the flat indices ``b * T + t`` in
+        ``logits_rows`` (None: every real token, in order) and hidden ``[B, T, H]`` (zeros past
+        each row's tokens)."""
+        import torch
+
+        from adaptspec.models.batch import FlatBatch
+
+        B, T = input_ids.shape
+        if max(l + n for l, n in zip(cache_lens, num_tokens)) > self.max_len:
+            raise ValueError("context exceeds the KV cache length")
+        rows = [input_ids[b, :num_tokens[b]].tolist() for b in range(B)]
+        flat_of = {}
+        at = 0
+        for b in range(B):
+            for t in range(num_tokens[b]):
+                flat_of[b * T + t] = at
+                at += 1
+        want = list(flat_of.values()) if logits_rows is None else [flat_of[int(i)] for i in logits_rows]
+        batch = FlatBatch.build(rows, list(cache_lens), [self.tables[s] for s in slots], want, self.BLOCK,
+                                self.model.device)
+        emb = None
+        if inputs_embeds is not None:
+            emb = torch.cat([inputs_embeds[b, :num_tokens[b]] for b in range(B)])
+        logits, hidden = self.model.forward(batch, inputs_embeds=emb)
+        out = torch.zeros(B * T, hidden.shape[1], dtype=hidden.dtype)
+        out[torch.tensor(list(flat_of.keys()), dtype=torch.long)] = hidden
+        return logits, out.view(B, T, -1)

@@ -469,7 +469,7 @@ def build_head(cfg: HeadConfig, state: dict[str, torch.Tensor], target_weights: 
 
 # ---- inference form -------------------------------------------------------------------
 class HeadModel:
-    """A trained head on the engine's slot-KV forward. Shares the target's embedding and
+    """A trained head on the engine's paged-KV forward. Shares the target's embedding and
     output layer (rows ``vocab_ids``); has its own KV slots (same slot ids as the target)."""
 
     def __init__(self, cfg: HeadConfig, state: dict[str, torch.Tensor], target: LlamaModel):
@@ -499,19 +499,23 @@ class HeadModel:
         self.feature_norm = state["feature_norm.weight"].to(dev, ct)
         self.token_norm = state["token_norm.weight"].to(dev, ct)
 
-    def allocate_cache(self, num_slots: int, max_len: int) -> None:
-        self.decoder.allocate_cache(num_slots, max_len)
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return self.decoder.kv_bytes_per_block(block_size)
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        self.decoder.allocate_kv(num_blocks, block_size)
 
     @torch.inference_mode()
-    def forward(self, feats: torch.Tensor, next_tokens: torch.Tensor, slots: list[int], cache_lens: list[int],
-                num_tokens: list[int], logits_rows: torch.Tensor | None = None):
-        """``feats`` [B, T, H], ``next_tokens`` [B, T] -> (draft-vocab logits [N_rows, len(V)], g [B, T, H])."""
+    def forward(self, feats: torch.Tensor, batch):
+        """``feats`` [num_tokens, H] (target features, or the head's own g for invented
+        positions) with ``batch.input_ids`` the next tokens -> (draft-vocab logits
+        [num_logits, len(V)], g [num_tokens, H])."""
         eps, H = self.cfg.rms_norm_eps, self.cfg.hidden_size
-        e = F.embedding(next_tokens, self.embed).to(self.compute_dtype)
+        e = F.embedding(batch.input_ids, self.embed).to(self.compute_dtype)
         x = torch.cat([F.rms_norm(feats.to(self.compute_dtype), (H,), self.feature_norm, eps),
                        F.rms_norm(e, (H,), self.token_norm, eps)], -1)
         u = self.decoder._mm(x, self.fc)
-        return self.decoder.forward(next_tokens, slots, cache_lens, num_tokens, logits_rows, inputs_embeds=u)
+        return self.decoder.forward(batch, inputs_embeds=u)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.vocab_ids[draft_ids] if self.reduced else draft_ids

@@ -114,7 +114,9 @@ def _pad(examples: list[Example], idx: list[int], max_len: int, device) -> tuple
 
 
 class TargetTeacher:
-    """The target on our slot-KV forward: features and distributions of whole sequences."""
+    """The target on our paged-KV forward: features and distributions of whole sequences."""
+
+    BLOCK = 16
 
     def __init__(self, model: LlamaModel, max_rows: int, max_len: int):
         self.model = model
@@ -124,15 +126,24 @@ class TargetTeacher:
     def _ensure(self, rows: int, length: int) -> None:
         if rows > self.rows or length > self.len:
             self.rows, self.len = max(rows, self.rows), max(length, self.len)
-            self.model.allocate_cache(self.rows, self.len)
+            self.model.allocate_kv(self.rows * -(-self.len // self.BLOCK), self.BLOCK)
 
     @torch.no_grad()
     def features(self, ids: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+        from adaptspec.models.batch import FlatBatch
+
         B, L = ids.shape
         self._ensure(B, L)
-        _, hidden = self.model.forward(ids, list(range(B)), [0] * B, lens.tolist(),
-                                       logits_rows=torch.zeros(1, dtype=torch.long, device=ids.device))
-        return hidden  # [B, L, H], normed
+        n = -(-self.len // self.BLOCK)
+        lens_l = lens.tolist()
+        rows = [ids[b, :lens_l[b]].tolist() for b in range(B)]
+        batch = FlatBatch.build(rows, [0] * B, [list(range(b * n, (b + 1) * n)) for b in range(B)], [],
+                                self.BLOCK, ids.device)
+        _, flat = self.model.forward(batch)  # [sum(lens), H], normed
+        hidden = torch.zeros(B, L, flat.shape[1], dtype=flat.dtype, device=flat.device)
+        mask = torch.arange(L, device=ids.device)[None, :] < lens[:, None]
+        hidden[mask] = flat
+        return hidden  # [B, L, H], zeros past each row's length
 
     @torch.no_grad()
     def logits(self, feats: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """The engine: continuous batching with exact speculative decoding. Ray-free.
 
-One ``step()``: admit and prefill new requests, let each request's drafter propose its
-``k`` candidates, verify every running request in ONE batched target pass, commit the
-accepted tokens plus the recovered/bonus token, retire finished requests.
+One ``step()``: the scheduler picks rows under the step's token budget (running requests'
+last token plus their ``k`` candidates first, prompt chunks after); the drafters propose;
+ONE flattened target forward runs every row; the verifier keeps each request's accepted
+prefix plus one target token; the commit appends tokens, rolls KV lengths back, feeds the
+draft head and registers full blocks in the prefix cache.
 """
 from __future__ import annotations
 
@@ -12,15 +14,17 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Sequence as Seq
 
+import numpy as np
 import torch
 
+from adaptspec.engine import verifier
+from adaptspec.engine.kv_cache import BlockPool, KVCacheManager
 from adaptspec.engine.params import MAX_K, SamplingParams, SpecConfig
 from adaptspec.engine.proposers import Draft, DraftModelProposer, HeadProposer, NgramProposer, Proposer
-from adaptspec.engine.sampling import argmax_rows, logits_to_probs, sample_from_probs
-from adaptspec.engine.scheduler import Scheduler
+from adaptspec.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from adaptspec.engine.sequence import RequestOutput, Sequence, Status
 from adaptspec.engine.stats import RequestStepStats, SpecStats, StepStats
-from adaptspec.engine import verifier
+from adaptspec.models.batch import FlatBatch
 from adaptspec.models.loader import LoadedHead, LoadedModel, load_draft, load_model
 
 log = logging.getLogger("adaptspec.engine")
@@ -28,43 +32,76 @@ log = logging.getLogger("adaptspec.engine")
 
 @dataclass(slots=True)
 class EngineConfig:
-    max_num_seqs: int = 16  # KV slots: the most requests running at once
-    max_model_len: int = 2048  # prompt + output (+ candidates) per slot
+    """Every switch of the engine (the service's ``engine:`` section maps onto it)."""
+
+    max_num_seqs: int = 16  # requests running at once
+    max_model_len: int = 2048  # prompt + output (+ candidates) per request
+    # tokens one step may run through the target: decode and verification rows first (their
+    # k shrinks when it runs short), then prompt chunks; bounds how long a prompt can hold
+    # running requests. None: max(256, 4 * max_num_seqs)
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16  # positions per KV block (a multiple of 8 for the CPU kernels)
+    enable_prefix_caching: bool = True
+    # KV pool size: bytes (> 1), a fraction of free device memory (<= 1; CUDA), or None:
+    # room for max_num_seqs full-length requests (every model's KV counted)
+    kv_cache_memory: float | None = None
     ngram_max_n: int = 3
     ngram_min_n: int = 1
+    verifier: str = "auto"  # auto | torch | triton: the rejection-sampling backend
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len < 2 * (MAX_K + 1):
             raise ValueError(f"max_model_len must be >= {2 * (MAX_K + 1)}, got {self.max_model_len}")
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = max(256, 4 * self.max_num_seqs)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens must be >= max_num_seqs ({self.max_num_seqs}): every "
+                             f"running request needs a token a step, got {self.max_num_batched_tokens}")
+        if self.block_size < 1 or self.block_size % 8:
+            raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
+        if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
+            raise ValueError(f"kv_cache_memory must be > 0 (bytes, or a fraction <= 1), got {self.kv_cache_memory}")
+        if self.verifier not in ("auto", "torch", "triton"):
+            raise ValueError(f"verifier must be auto, torch or triton, got {self.verifier!r}")
 
 
 class Engine:
     def __init__(self, target: LoadedModel, draft: LoadedModel | LoadedHead | None = None,
                  config: EngineConfig | None = None):
-        self.config = config or EngineConfig()
+        self.config = cfg = config or EngineConfig()
         self.target, self.draft = target, draft
         self.tokenizer = target.tokenizer
         self.device = target.model.device
-        cap = min(self.config.max_model_len, target.model.cfg.max_position)
+        cap = min(cfg.max_model_len, target.model.cfg.max_position)
         if draft is not None and draft.model.cfg.max_position < cap:  # its rotary tables end there
             log.warning("max_model_len %d -> %d: the draft %s has positions up to %d only", cap,
                         draft.model.cfg.max_position, draft.name, draft.model.cfg.max_position)
             cap = draft.model.cfg.max_position
-        self.config.max_model_len = cap
-        self.target.model.allocate_cache(self.config.max_num_seqs, cap)
-        self.proposers: dict[str, Proposer] = {
-            "ngram": NgramProposer(self.config.ngram_max_n, self.config.ngram_min_n)}
+        cfg.max_model_len = cap
+        self.verifier_backend = verifier.select_backend(self.device, cfg.verifier)
+        self.proposers: dict[str, Proposer] = {"ngram": NgramProposer(cfg.ngram_max_n, cfg.ngram_min_n)}
+        kv_models = [target.model]
+        self.feature_layers: tuple[int, ...] = ()  # target states the head drafts from
+        self._taps: tuple[int, ...] = ()  # what the target forward returns for them
         if isinstance(draft, LoadedHead):  # a feature-level head drafts from the target's features
-            draft.model.allocate_cache(self.config.max_num_seqs, cap)
+            kv_models.append(draft.model)
             self.proposers["draft"] = HeadProposer(draft.model)
+            fl = tuple(getattr(draft.model.cfg, "feature_layers", None) or ())
+            if fl:
+                self.feature_layers = fl
+                self._taps = tuple(sorted(set(fl) | {target.model.cfg.num_layers}))
         elif draft is not None:
             check_same_vocab(target, draft)
-            draft.model.allocate_cache(self.config.max_num_seqs, cap)
+            kv_models.append(draft.model)
             self.proposers["draft"] = DraftModelProposer(draft.model)
-        self._feature_sinks = [p for p in self.proposers.values() if p.wants_hidden]
-        self.scheduler = Scheduler(self.config.max_num_seqs, cap)
+        self.num_blocks = self._num_blocks(kv_models)
+        for m in kv_models:
+            m.allocate_kv(self.num_blocks, cfg.block_size)
+        self.pool = BlockPool(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.kv = KVCacheManager(self.pool, reuse_margin=1 if isinstance(draft, LoadedHead) else 0)
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, self._on_admit)
         self.requests: dict[str, Sequence] = {}
         self.eos_ids = _eos_ids(target)
         self.step_count = 0
@@ -74,6 +111,24 @@ class Engine:
         self.step_listeners: list[Callable[[StepStats], None]] = []
         self._ids = itertools.count()
 
+    def _num_blocks(self, models) -> int:
+        cfg, bs = self.config, self.config.block_size
+        per_block = sum(m.kv_bytes_per_block(bs) for m in models)
+        mem = cfg.kv_cache_memory
+        if mem is None:
+            return cfg.max_num_seqs * -(-cfg.max_model_len // bs)
+        if mem <= 1:
+            if self.device.type != "cuda":
+                raise ValueError("kv_cache_memory: a fraction of free memory needs a CUDA device; give bytes")
+            free, _ = torch.cuda.mem_get_info(self.device)
+            mem = free * mem
+        n = int(mem // per_block)
+        need = -(-cfg.max_model_len // bs)
+        if n < need:
+            raise ValueError(f"kv_cache_memory: {int(mem)} bytes hold {n} blocks of {bs} positions; one request "
+                             f"of max_model_len={cfg.max_model_len} needs {need} ({per_block} bytes a block)")
+        return n
+
     @classmethod
     def from_pretrained(cls, target: str = "smollm2-135m", draft: str | None = None, dtype="float32",
                         device="cpu", **config) -> "Engine":
@@ -82,6 +137,38 @@ class Engine:
         t = load_model(target, dtype=dtype, device=device, quiet=True)
         d = load_draft(draft, t, dtype=dtype, device=device, quiet=True) if draft else None
         return cls(t, d, cfg)
+
+    # ---- public surface for the service ----------------------------------------------
+    def add_proposer(self, name: str, proposer: Proposer) -> None:
+        """Make a drafter available under ``name`` (arms may then use it)."""
+        self.proposers[name] = proposer
+
+    def wrap_proposers(self, wrap: Callable[[str, Proposer], Proposer]) -> None:
+        """Replace every drafter by ``wrap(name, drafter)`` (e.g. a fault guard)."""
+        for name, prop in list(self.proposers.items()):
+            self.proposers[name] = wrap(name, prop)
+
+    @property
+    def free_seqs(self) -> int:
+        """Requests that can start running now."""
+        return self.scheduler.free_seqs
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_usage(self) -> float:
+        """Fraction of KV blocks held by requests."""
+        return self.pool.usage
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.pool.hits / self.pool.queries if self.pool.queries else 0.0
 
     # ---- requests --------------------------------------------------------------------
     def encode(self, prompt: str | Seq[int], raw: bool = False) -> list[int]:
@@ -136,7 +223,6 @@ class Engine:
         seq = self.requests.pop(request_id, None)
         if seq is None:
             return False
-        self.scheduler.remove_waiting(seq)
         self._finish(seq, "abort")
         return True
 
@@ -151,25 +237,17 @@ class Engine:
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        plan = self.scheduler.schedule(self._k_for)
+        drafts = self._propose(plan.rows)
+        t1 = time.perf_counter()
+        batch = self._batch(plan.rows, drafts)
+        logits, hidden = self.target.model.forward(batch, feature_layers=self._taps)
+        emitted = self._verify(plan.rows, drafts, logits)  # the step's one host transfer
+        t2 = time.perf_counter()
         outputs: dict[str, RequestOutput] = {}
-        admitted = self.scheduler.schedule()
-        prefill_tokens = self._prefill(admitted, outputs)
-        t1 = self._sync_time()
-        batch = [s for s in self.scheduler.running if not s.finished]
-        ks = [self._effective_k(s) for s in batch]
-        drafts = self._propose(batch, ks)
-        t2 = self._sync_time()
-        context = sum(s.num_computed for s in batch)
-        emitted, hidden = self._verify(batch, drafts)
-        t3 = self._sync_time()
-        req_stats = self._commit(batch, ks, drafts, emitted, hidden, outputs)
-        for seq in [s for s in self.scheduler.running if s.finished]:
-            self.scheduler.free(seq)
-            self.requests.pop(seq.request_id, None)
-        t4 = time.perf_counter()
-        self._record(StepStats(self.step_count, len(batch), len(admitted), prefill_tokens,
-                               sum(len(d.token_ids) + 1 for d in drafts), context, len(self.scheduler.waiting),
-                               t1 - t0, t2 - t1, t3 - t2, t4 - t3, t4 - t0, req_stats))
+        req_stats = self._commit(plan.rows, drafts, emitted, hidden, outputs)
+        t3 = time.perf_counter()
+        self._record(plan, drafts, req_stats, batch, t0, t1, t2, t3)
         return list(outputs.values())
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | list[SamplingParams] | None = None,
@@ -192,101 +270,98 @@ class Engine:
         return [done[r] for r in rids]
 
     # ---- phases ------------------------------------------------------------------------
-    def _prefill(self, seqs: list[Sequence], outputs: dict) -> int:
-        if not seqs:
-            return 0
-        m, dev = self.target.model, self.device
-        T = max(len(s.token_ids) for s in seqs)
-        ids = torch.zeros(len(seqs), T, dtype=torch.long, device=dev)
-        for r, s in enumerate(seqs):
-            ids[r, :len(s.token_ids)] = torch.tensor(s.token_ids)
-        lens = [len(s.token_ids) for s in seqs]
-        last = torch.tensor([r * T + n - 1 for r, n in enumerate(lens)], device=dev)
-        logits, hidden = m.forward(ids, [s.slot for s in seqs], [0] * len(seqs), lens, last)
-        for prop in self._feature_sinks:
-            for r, s in enumerate(seqs):
-                prop.observe_hidden(s, 0, hidden[r, :lens[r]])
-        first = self._sample_rows(seqs, logits)
-        now = time.perf_counter()
-        for s, tok in zip(seqs, first):
-            s.num_computed = len(s.token_ids)
-            s.first_token_s = now
-            self._append(s, [tok], outputs)
-        return sum(lens)
-
-    def _effective_k(self, s: Sequence) -> int:
+    def _k_for(self, s: Sequence) -> int:
+        """The candidates ``s`` may verify this step: its arm's k, within its token and
+        context limits."""
         if not s.spec.speculates:
             return 0
-        return max(0, min(s.spec.k, s.remaining - 1))
+        return max(0, min(s.spec.k, s.remaining - 1, self.config.max_model_len - len(s.token_ids) - 1))
 
-    def _propose(self, batch: list[Sequence], ks: list[int]) -> list[Draft]:
-        drafts = [Draft([]) for _ in batch]
+    def _on_admit(self, s: Sequence) -> None:
+        for prop in self.proposers.values():
+            prop.on_admit(s)
+
+    def _propose(self, rows: list[ScheduledRow]) -> list[Draft]:
+        drafts = [_NO_DRAFT] * len(rows)
         by_drafter: dict[str, list[int]] = {}
-        for i, (s, k) in enumerate(zip(batch, ks)):
-            if k > 0:
-                by_drafter.setdefault(s.spec.drafter, []).append(i)
+        for i, r in enumerate(rows):
+            if r.k > 0:
+                by_drafter.setdefault(r.seq.spec.drafter, []).append(i)
         for name, idx in by_drafter.items():
-            prop, seqs = self.proposers[name], [batch[i] for i in idx]
+            prop, seqs = self.proposers[name], [rows[i].seq for i in idx]
             try:
-                proposed = prop.propose(seqs, [ks[i] for i in idx])
+                proposed = prop.propose(seqs, [rows[i].k for i in idx])
             except Exception:  # a failing drafter means k = 0 for its requests, never a lost request
                 log.exception("drafter %r failed; its %d requests decode plainly this step", name, len(idx))
                 self.drafter_errors += 1
                 for s in seqs:  # nothing drafted was accepted: roll the drafter's state back
                     prop.on_verified(s, len(s.token_ids), 0, None)
-                proposed = [Draft([]) for _ in idx]
+                proposed = [_NO_DRAFT] * len(idx)
             for i, d in zip(idx, proposed):
-                drafts[i] = d
+                drafts[i] = _cut(d, rows[i].k, rows[i].seq.spec.min_confidence)
         return drafts
 
-    def _verify(self, batch: list[Sequence], drafts: list[Draft]):
-        """ONE batched target pass over every running request; returns per-request emitted tokens."""
-        if not batch:
-            return [], None
-        dev, m = self.device, self.target.model
-        n = [len(d.token_ids) for d in drafts]
-        T = max(n) + 1
-        ids = torch.zeros(len(batch), T, dtype=torch.long, device=dev)
-        for r, (s, d) in enumerate(zip(batch, drafts)):
-            ids[r, :n[r] + 1] = torch.tensor([s.token_ids[-1], *d.token_ids])
-        rows = torch.tensor([r * T + j for r in range(len(batch)) for j in range(n[r] + 1)], device=dev)
-        logits, hidden = m.forward(ids, [s.slot for s in batch], [s.num_computed for s in batch],
-                                   [k + 1 for k in n], rows)  # logits [sum(n_i + 1), vocab]
-        emitted: list[list[int]] = [[] for _ in batch]
-        groups = {True: [], False: []}
-        for r, s in enumerate(batch):
-            groups[s.params.greedy].append(r)
-        row_start = [0]
-        for k in n:
-            row_start.append(row_start[-1] + k + 1)
-        for greedy, members in groups.items():
+    def _batch(self, rows: list[ScheduledRow], drafts: list[Draft]) -> FlatBatch:
+        """The step's flattened batch: each row's uncomputed tokens then its candidates;
+        logits for rows that reach their sequence's end (the last token and each candidate)."""
+        tokens, logit_rows, at = [], [], 0
+        for r, d in zip(rows, drafts):
+            s = r.seq
+            t = s.token_ids[s.num_computed:s.num_computed + r.num_new]
+            if d.token_ids:
+                t = t + d.token_ids
+            tokens.append(t)
+            if r.samples:
+                last = at + r.num_new - 1
+                logit_rows.extend(range(last, last + len(d.token_ids) + 1))
+            at += len(t)
+        return FlatBatch.build(tokens, [r.seq.num_computed for r in rows], [r.seq.block_table for r in rows],
+                               logit_rows, self.config.block_size, self.device)
+
+    def _verify(self, rows: list[ScheduledRow], drafts: list[Draft], logits) -> list[list[int]]:
+        """Each sampling row's accepted candidates plus its recovered or bonus token."""
+        sampling = [i for i, r in enumerate(rows) if r.samples]
+        emitted: list[list[int]] = [[] for _ in rows]
+        if not sampling:
+            return emitted
+        n = [len(drafts[i].token_ids) for i in sampling]
+        seqs = [rows[i].seq for i in sampling]
+        greedy = [j for j, s in enumerate(seqs) if s.params.greedy]
+        if len(greedy) == len(sampling) and self.device.type == "cpu":  # argmax on the host, no tensor ops
+            for j, toks in enumerate(verifier.verify_greedy_host(_argmax_rows(logits),
+                                                                 [drafts[i].token_ids for i in sampling])):
+                emitted[sampling[j]] = toks
+            return emitted
+        stoch = [j for j, s in enumerate(seqs) if not s.params.greedy]
+        row_start = np.concatenate([[0], np.cumsum(np.asarray(n) + 1)])
+        parts = []  # [members, max_k + 2]: accepted count, then tokens (-1 padded)
+        for members, is_greedy in ((greedy, True), (stoch, False)):
             if not members:
                 continue
-            if len(members) == len(batch):
-                sub_logits = logits
+            sel = (logits if len(members) == len(sampling) else logits.index_select(0, torch.as_tensor(
+                np.concatenate([np.arange(row_start[j], row_start[j + 1]) for j in members]), device=logits.device)))
+            d_ids = torch.tensor([t for j in members for t in drafts[sampling[j]].token_ids], dtype=torch.long,
+                                 device=self.device)
+            num_draft = torch.tensor([n[j] for j in members], dtype=torch.long, device=self.device)
+            max_k = max(n[j] for j in members)
+            if is_greedy:
+                res = verifier.verify_greedy_dispatch(sel, d_ids, num_draft, max_num_draft_tokens=max_k,
+                                                      backend=self.verifier_backend)
             else:
-                sel = torch.tensor([row_start[r] + j for r in members for j in range(n[r] + 1)], device=dev)
-                sub_logits = logits.index_select(0, sel)
-            if greedy and dev.type == "cpu":  # on the host: argmax through numpy, no tensor ops
-                for r, toks in zip(members, verifier.verify_greedy_host(argmax_rows(sub_logits),
-                                                                        [drafts[r].token_ids for r in members])):
-                    emitted[r] = toks
-                continue
-            draft_ids = torch.tensor([t for r in members for t in drafts[r].token_ids], dtype=torch.long, device=dev)
-            num_draft = torch.tensor([n[r] for r in members], dtype=torch.long, device=dev)
-            max_k = max(n[r] for r in members)
-            if greedy:
-                res = verifier.verify_greedy_dispatch(sub_logits, draft_ids, num_draft, max_num_draft_tokens=max_k)
-            else:
-                res = self._verify_stochastic([batch[r] for r in members], [drafts[r] for r in members],
-                                              sub_logits, draft_ids, num_draft, max_k)
-            host = torch.cat([res.num_accepted[:, None], res.output_token_ids], 1).tolist()  # one sync
-            for r, (a, *o) in zip(members, host):
-                emitted[r] = o[:a + 1]
-        return emitted, hidden
+                res = self._verify_stochastic([seqs[j] for j in members], [drafts[sampling[j]] for j in members],
+                                              sel, d_ids, num_draft, max_k)
+            out = torch.full((len(members), 1 + MAX_K + 1), -1, dtype=torch.long, device=self.device)
+            out[:, 0] = res.num_accepted
+            out[:, 1:1 + res.output_token_ids.shape[1]] = res.output_token_ids
+            parts.append((members, out))
+        host = torch.cat([p for _, p in parts]).tolist()  # one device-to-host transfer
+        for j, (a, *o) in zip([j for members, _ in parts for j in members], host):
+            emitted[sampling[j]] = o[:a + 1]
+        return emitted
 
     def _verify_stochastic(self, seqs, drafts, logits, draft_ids, num_draft, max_k):
-        """Temperature / top-k / top-p per request, then exact verification (Triton on CUDA)."""
+        """Temperature / top-k / top-p per request, then exact verification. Each request
+        draws exactly k + 1 uniforms from its own generator, whatever else is in the batch."""
         dev, vocab = self.device, logits.shape[-1]
         q = None
         if any(d.probs is not None for d in drafts):  # n-gram rows inside a model-draft batch: one-hot q
@@ -296,49 +371,62 @@ class Engine:
         u = [torch.rand(len(d.token_ids) + 1, generator=s.generator) for s, d in zip(seqs, drafts)]
         u_accept = torch.cat([x[:-1] for x in u]).to(dev)
         u_sample = torch.stack([x[-1] for x in u]).to(dev)
-        temperature, top_k, top_p = self._param_tensors(seqs)
+        temperature = torch.tensor([s.params.temperature for s in seqs], device=dev)
+        top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
+        top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
         any_top_k = any(s.params.top_k > 0 for s in seqs)  # decided on the host: no device sync
         any_top_p = any(s.params.top_p < 1.0 for s in seqs)
         return verifier.verify_stochastic_from_logits_dispatch(
             logits, temperature, top_k if any_top_k else None, top_p if any_top_p else None,
-            draft_ids, q, num_draft, u_accept, u_sample, max_num_draft_tokens=max_k)
+            draft_ids, q, num_draft, u_accept, u_sample, max_num_draft_tokens=max_k, backend=self.verifier_backend)
 
-    def _param_tensors(self, seqs: list[Sequence]):  # three [num_reqs] tensors
-        dev = self.device
-        return (torch.tensor([s.params.temperature for s in seqs], device=dev),
-                torch.tensor([s.params.top_k for s in seqs], device=dev),
-                torch.tensor([s.params.top_p for s in seqs], device=dev))
-
-    def _sample_rows(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:  # logits [B, vocab]
-        out = argmax_rows(logits)
-        stoch = [i for i, s in enumerate(seqs) if not s.params.greedy]
-        if stoch:
-            sub = [seqs[i] for i in stoch]
-            probs = logits_to_probs(logits[stoch], *self._param_tensors(sub))
-            u = torch.cat([torch.rand(1, generator=s.generator) for s in sub]).to(self.device)
-            for i, tok in zip(stoch, sample_from_probs(probs, u).tolist()):
-                out[i] = tok
-        return out
-
-    def _commit(self, batch, ks, drafts, emitted, hidden, outputs) -> list[RequestStepStats]:
+    def _commit(self, rows, drafts, emitted, hidden, outputs) -> list[RequestStepStats]:
         stats = []
-        for r, (s, k, d, toks) in enumerate(zip(batch, ks, drafts, emitted)):
+        observed: list[tuple[Sequence, int, int]] = []  # (seq, first feature row, committed positions)
+        at = 0
+        now = time.perf_counter()
+        for r, d, toks in zip(rows, drafts, emitted):
+            s, start = r.seq, at
+            at += r.num_new + len(d.token_ids)
+            if not r.samples:  # a prompt chunk: its positions are committed, nothing sampled
+                s.num_computed += r.num_new
+                observed.append((s, start, r.num_new))
+                continue
             before, accepted = len(s.token_ids), len(toks) - 1
             s.num_computed = before + accepted
-            for sink in self._feature_sinks:  # the target's features at positions before-1 ..
-                sink.observe_hidden(s, before - 1, hidden[r, :accepted + 1])
+            if s.first_token_s is None:
+                s.first_token_s = now
             prop = self.proposers.get(s.spec.drafter)
-            if prop is not None and k > 0:
-                h = hidden[r, :accepted + 1] if prop.wants_hidden else None
-                prop.on_verified(s, before, accepted, h)
+            if prop is not None and r.k > 0:
+                prop.on_verified(s, before, accepted, None)
             n_emitted = self._append(s, toks, outputs)
-            # accepted = drafted tokens kept: none past an EOS or stop string that ended the request
-            rs = RequestStepStats(s.request_id, s.request_class, s.spec.drafter if k else "none", k,
-                                  len(d.token_ids), min(accepted, n_emitted), n_emitted)
-            s.stats.observe_step(rs)
-            self.totals.observe_step(rs)
-            stats.append(rs)
+            observed.append((s, start, r.num_new + accepted))
+            if r.decode:  # a decode / verification row (a prompt's last chunk is not a step)
+                # accepted = drafted tokens kept: none past an EOS or stop string that ended the request
+                rs = RequestStepStats(s.request_id, s.request_class, s.spec.drafter if r.k else "none", r.k,
+                                      len(d.token_ids), min(accepted, n_emitted), n_emitted,
+                                      list(d.confidence or ()))
+                s.stats.observe_step(rs)
+                self.totals.observe_step(rs)
+                stats.append(rs)
+        live = [(s, st, c) for s, st, c in observed if not s.finished]
+        for prop in self.proposers.values():
+            if prop.wants_features and live:
+                feats = hidden if not self.feature_layers else self._head_features(hidden)
+                prop.observe([s for s, _, _ in live], [st for _, st, _ in live], [c for _, _, c in live], feats)
+        for s, _, _ in live:
+            self.kv.commit(s)
+        for s, _, _ in observed:
+            if s.finished:
+                self.scheduler.finish(s)
+                self.requests.pop(s.request_id, None)
         return stats
+
+    def _head_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's feature layers, in its order, out of the target's tapped states."""
+        H = self.target.model.cfg.hidden_size
+        cols = [self._taps.index(layer) for layer in self.feature_layers]
+        return torch.cat([hidden[:, c * H:(c + 1) * H] for c in cols], 1)
 
     def _append(self, s: Sequence, toks: list[int], outputs: dict) -> int:
         """Append emitted tokens, stopping at EOS, stop strings or max_new_tokens."""
@@ -354,14 +442,7 @@ class Engine:
                 self._finish(s, "length")
             if s.finished:
                 break
-        out = outputs.get(s.request_id)
-        if out is None:
-            outputs[s.request_id] = self._output(s, new)
-        else:
-            out.new_token_ids += new
-            out.token_ids, out.finished, out.finish_reason = s.output_ids, s.finished, s.finish_reason
-            if s.finished:
-                outputs[s.request_id] = self._output(s, out.new_token_ids)
+        outputs[s.request_id] = self._output(s, new)
         return len(new)
 
     def _hit_stop(self, s: Sequence) -> bool:
@@ -373,10 +454,11 @@ class Engine:
             return
         s.status, s.finish_reason, s.finish_s = Status.FINISHED, reason, time.perf_counter()
         s.stats.wall_s = s.finish_s - s.arrival_s
+        s.stats.cached_prompt_tokens = s.num_cached_tokens
         for prop in self.proposers.values():
             prop.release(s)
-        if reason == "abort" and s in self.scheduler.running:
-            self.scheduler.free(s)
+        if reason == "abort":
+            self.scheduler.finish(s)
 
     def _output(self, s: Sequence, new: list[int]) -> RequestOutput:
         text = ""
@@ -390,16 +472,43 @@ class Engine:
                              (s.first_token_s - s.arrival_s) if s.first_token_s else None,
                              (s.finish_s - s.arrival_s) if s.finish_s else None)
 
-    def _sync_time(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
-    def _record(self, st: StepStats) -> None:
+    def _record(self, plan: SchedulerOutput, drafts, req_stats, batch: FlatBatch, t0, t1, t2, t3) -> None:
+        rows = plan.rows
+        prefill_tokens = sum(r.num_new for r in rows if not r.decode)
+        verify_tokens = sum(1 + len(d.token_ids) for r, d in zip(rows, drafts) if r.decode)
+        total = max(1, prefill_tokens + verify_tokens)
+        forward_s = t2 - t1
+        # the prompt chunks ride in the same forward: their share of it, by tokens, is reported
+        # as prefill time so the controller prices an arm by its own verification tokens
+        prefill_s = forward_s * prefill_tokens / total
+        st = StepStats(self.step_count, sum(1 for r in rows if r.decode),
+                       sum(1 for r in rows if not r.decode), prefill_tokens, verify_tokens,
+                       sum(r.seq.num_computed for r in rows), len(self.scheduler.waiting),
+                       prefill_s, t1 - t0, forward_s - prefill_s, t3 - t2, t3 - t0, req_stats)
         self.step_count += 1
         self.last_step = st
         for fn in self.step_listeners:
             fn(st)
+
+
+_NO_DRAFT = Draft([], None, [])
+
+
+def _cut(d: Draft, k: int, min_confidence: float) -> Draft:
+    """At most ``k`` candidates, stopping before the first below ``min_confidence``."""
+    n = min(len(d.token_ids), k)
+    if min_confidence > 0 and d.confidence:
+        n = next((j for j, c in enumerate(d.confidence[:n]) if c < min_confidence), n)
+    if n == len(d.token_ids):
+        return d
+    return Draft(d.token_ids[:n], None if d.probs is None else d.probs[:n],
+                 None if d.confidence is None else d.confidence[:n])
+
+
+def _argmax_rows(logits: torch.Tensor) -> list[int]:
+    from adaptspec.engine.sampling import argmax_rows
+
+    return argmax_rows(logits)
 
 
 def check_same_vocab(target: LoadedModel, draft: LoadedModel) -> None:

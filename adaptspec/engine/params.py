@@ -52,8 +52,13 @@ class SpecConfig:
 
     drafter: str = "none"
     k: int = 0
+    # per-token draft stopping: drafting stops at the first candidate whose drafter
+    # confidence (the draft's probability of it) is below this; 0 drafts all k
+    min_confidence: float = 0.0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.min_confidence, (int, float)) or not 0.0 <= self.min_confidence <= 1.0:
+            raise ValueError(f"min_confidence must be in [0, 1], got {self.min_confidence!r}")
         if self.drafter not in DRAFTERS:
             raise ValueError(f"drafter must be one of {DRAFTERS}, got {self.drafter!r}")
         if not isinstance(self.k, int) or not 0 <= self.k <= MAX_K:

@@ -4,18 +4,21 @@ The interface is narrow on purpose:
 
 * ``propose(seqs, ks) -> list[Draft]``: up to ``ks[i]`` candidate tokens for each
   sequence, with the draft distribution ``q`` for each candidate when sampling needs it
-  (``None`` means one-hot: the candidate had probability 1 under the drafter).
+  (``None`` means one-hot: the candidate had probability 1 under the drafter), and the
+  drafter's confidence in each candidate when it has one. A request's
+  ``spec.min_confidence`` asks to stop drafting at the first candidate below it.
 * ``on_verified(seq, num_tokens_before, num_accepted, hidden)``: after the verification
-  pass; ``hidden`` holds the target's final hidden states at the positions the step
-  verified up to the last accepted one (``[num_accepted + 1, hidden_size]``), at no extra
-  cost. A model drafter rolls its KV length back here; a feature-level draft head (the
-  co-design issue) keeps the features to draft from next step.
+  pass (``hidden`` is unused and kept for drafters written against the first interface). A
+  model drafter rolls its KV length back here.
+* ``on_admit(seq)``: the sequence joined the running batch, its first
+  ``seq.num_computed`` positions possibly reused from the prefix cache.
 * ``release(seq)``: the sequence left the engine.
 
-``wants_hidden`` tells the engine whether to slice hidden states for this proposer. Such a
-proposer also gets ``observe_hidden(seq, position, hidden)`` for EVERY running sequence at
-prefill and after every verification, whichever drafter the sequence uses at the time, so a
-request the controller switches to the head mid-way has its features.
+``wants_features`` drafters (a feature-level head) also get ``observe(seqs, starts,
+counts, features)`` after EVERY step, for every running sequence whichever drafter it uses:
+the target's features at the positions the step committed, so the head's KV is always
+complete (a request the controller switches to the head mid-way has its context, and a
+block shared through the prefix cache carries the head's entries too).
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch
 
 from adaptspec.engine.sampling import argmax_rows, logits_to_probs, sample_from_probs
 from adaptspec.engine.sequence import Sequence
+from adaptspec.models.batch import FlatBatch
 from adaptspec.models.llama import LlamaModel
 
 
@@ -33,24 +37,30 @@ from adaptspec.models.llama import LlamaModel
 class Draft:
     token_ids: list[int]  # [n] candidates, n <= k
     probs: torch.Tensor | None = None  # [n, vocab_size] q for stochastic requests; None = one-hot
+    confidence: list[float] | None = None  # [n] the drafter's probability of each candidate
 
 
 class Proposer:
     name = "base"
-    wants_hidden = False
+    wants_features = False
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         raise NotImplementedError
 
     def on_verified(self, seq: Sequence, num_tokens_before: int, num_accepted: int,
-                    hidden: torch.Tensor | None) -> None:
+                    hidden: torch.Tensor | None = None) -> None:
+        pass
+
+    def on_admit(self, seq: Sequence) -> None:
         pass
 
     def release(self, seq: Sequence) -> None:
         pass
 
-    def observe_hidden(self, seq: Sequence, position: int, hidden: torch.Tensor) -> None:
-        """The target's features at ``position ..`` (only for ``wants_hidden`` proposers)."""
+    def observe(self, seqs: list[Sequence], starts: list[int], counts: list[int],
+                features: torch.Tensor) -> None:
+        """``features[starts[i]:starts[i] + counts[i]]`` are ``seqs[i]``'s target features at
+        its newly committed positions (only for ``wants_features`` proposers)."""
 
 
 class NgramProposer(Proposer):
@@ -65,7 +75,11 @@ class NgramProposer(Proposer):
         self.max_n, self.min_n = max_n, min_n
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
-        return [Draft(self.lookup(s.token_ids, k)) for s, k in zip(seqs, ks)]
+        out = []
+        for s, k in zip(seqs, ks):
+            toks = self.lookup(s.token_ids, k)
+            out.append(Draft(toks, None, [1.0] * len(toks)))
+        return out
 
     def lookup(self, tokens: list[int], k: int) -> list[int]:
         if k <= 0 or len(tokens) < 2:
@@ -84,7 +98,12 @@ class NgramProposer(Proposer):
 
 
 class DraftModelProposer(Proposer):
-    """A smaller model with the target's tokenizer and its own KV slots (same slot ids)."""
+    """A smaller model with the target's tokenizer; its paged KV uses the target's block ids.
+
+    It feeds whatever it has not seen yet (the prompt on a first call, the tokens the last
+    step emitted) in the first drafting pass, one flattened forward over every sequence, then
+    one token per pass. Candidates past the first rejection are forgotten by rolling
+    ``draft_computed`` back."""
 
     name = "draft"
 
@@ -93,173 +112,155 @@ class DraftModelProposer(Proposer):
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         m, dev = self.model, self.model.device
-        behind = [s for s in seqs if len(s.token_ids) - s.draft_computed > 2]
-        if behind:  # catch up long unfed stretches (new requests, drafter switches) in one pass
-            chunks = [s.token_ids[s.draft_computed:-1] for s in behind]
-            T = max(len(c) for c in chunks)
-            ids = torch.zeros(len(behind), T, dtype=torch.long, device=dev)
-            for r, c in enumerate(chunks):
-                ids[r, :len(c)] = torch.tensor(c)
-            m.forward(ids, [s.slot for s in behind], [s.draft_computed for s in behind],
-                      [len(c) for c in chunks], logits_rows=torch.zeros(1, dtype=torch.long, device=dev))
-            for s in behind:
-                s.draft_computed = len(s.token_ids) - 1
-        drafts = [Draft([], None) for _ in seqs]
-        stoch_probs: list[list[torch.Tensor]] = [[] for _ in seqs]
-        inputs = [s.token_ids[s.draft_computed:] for s in seqs]  # 1 or 2 unfed tokens each
+        drafts = [Draft([], None, []) for _ in seqs]
+        stoch: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
-        for step in range(max(ks, default=0)):
-            active = [i for i in active if ks[i] > step]
-            if not active:
-                break
-            rows = [seqs[i] for i in active]
-            T = max(len(inputs[i]) for i in active)
-            ids = torch.zeros(len(active), T, dtype=torch.long, device=dev)
-            for r, i in enumerate(active):
-                ids[r, :len(inputs[i])] = torch.tensor(inputs[i])
-            n_tok = [len(inputs[i]) for i in active]
-            last = torch.tensor([r * T + n - 1 for r, n in enumerate(n_tok)], device=dev)
-            logits, _ = m.forward(ids, [s.slot for s in rows], [s.draft_computed for s in rows], n_tok, last)
-            for s, n in zip(rows, n_tok):
-                s.draft_computed += n
-            tokens = self._sample(rows, logits, [stoch_probs[i] for i in active])
+        rows = [seqs[i].token_ids[seqs[i].draft_computed:] for i in active]
+        step = 0
+        while active:
+            batch = _flat(rows, [seqs[i].draft_computed for i in active], [seqs[i] for i in active], m, last=True)
+            logits, _ = m.forward(batch)
+            for i, r in zip(active, rows):
+                seqs[i].draft_computed += len(r)
+            sel = [seqs[i] for i in active]
+            tokens, conf = _sample(sel, logits, [stoch[i] for i in active])
             for r, i in enumerate(active):
                 drafts[i].token_ids.append(tokens[r])
-                inputs[i] = [tokens[r]]
+                drafts[i].confidence.append(conf[r])
+            step += 1
+            keep = [r for r, i in enumerate(active) if ks[i] > step and conf[r] >= seqs[i].spec.min_confidence]
+            active, rows = [active[r] for r in keep], [[tokens[r]] for r in keep]
         for i, d in enumerate(drafts):
-            if stoch_probs[i]:
-                d.probs = torch.stack(stoch_probs[i])
+            if stoch[i]:
+                d.probs = torch.stack(stoch[i])
         return drafts
 
-    def _sample(self, rows: list[Sequence], logits: torch.Tensor,  # [num_rows, vocab_size]
-                probs_out: list[list[torch.Tensor]]) -> list[int]:
-        greedy = [s.params.greedy for s in rows]
-        out = argmax_rows(logits)
-        if all(greedy):
-            return out
-        idx = [r for r, g in enumerate(greedy) if not g]
-        sub = [rows[r] for r in idx]
-        dev = logits.device
-        probs = logits_to_probs(
-            logits[idx],
-            torch.tensor([s.params.temperature for s in sub], device=dev),
-            torch.tensor([s.params.top_k for s in sub], device=dev),
-            torch.tensor([s.params.top_p for s in sub], device=dev),
-        )
-        u = torch.cat([torch.rand(1, generator=s.generator, device=s.generator.device) for s in sub]).to(dev)
-        tok = sample_from_probs(probs, u).tolist()
-        for j, r in enumerate(idx):
-            out[r] = tok[j]
-            probs_out[r].append(probs[j])
-        return out
-
-    def on_verified(self, seq, num_tokens_before, num_accepted, hidden) -> None:
+    def on_verified(self, seq, num_tokens_before, num_accepted, hidden=None) -> None:
         # the draft fed its own candidates; those past the first rejection are invalid
         seq.draft_computed = min(seq.draft_computed, num_tokens_before + num_accepted)
+
+    def on_admit(self, seq) -> None:
+        seq.draft_computed = 0  # the draft's KV of a reused prefix may be missing: recompute it
 
     def release(self, seq) -> None:
         seq.draft_computed = 0
 
 
-def _pending_end(seq: Sequence) -> int:
-    """The position after the last target feature the head has not consumed yet."""
-    return seq.head_pending_from + sum(h.shape[0] for h in seq.head_pending)
+def _flat(rows: list[list[int]], starts: list[int], seqs: list[Sequence], model, last: bool) -> FlatBatch:
+    """A FlatBatch of ``rows`` fed at positions ``starts`` through the sequences' block tables;
+    logits at each row's last token when ``last``."""
+    logit_rows, at = [], 0
+    for r in rows:
+        at += len(r)
+        logit_rows.append(at - 1)
+    return FlatBatch.build(rows, starts, [s.block_table for s in seqs], logit_rows if last else [],
+                           model.block_size, model.device)
 
 
-class HeadProposer(Proposer):
-    """A feature-level draft head (EAGLE-style, ``adaptspec.distill.head``).
-
-    Head entry ``j`` holds (target feature f_j, token x_{j+1}). Before drafting, the
-    target features observed since the last step are fed as one batched pass; its last
-    entry predicts the first candidate. Each further candidate feeds the head's own
-    feature and the previous candidate. Candidates past the first rejection are never
-    committed: ``head_computed`` only advances over target features, so the next feed
-    overwrites them.
-    """
-
-    name = "draft"
-    wants_hidden = True
-
-    def __init__(self, head):  # adaptspec.distill.head.HeadModel
-        self.head = head
-
-    def observe_hidden(self, seq, position, hidden) -> None:
-        if seq.head_broken:
-            return
-        if not seq.head_pending:
-            seq.head_pending_from = seq.head_computed
-        expected = _pending_end(seq)
-        if position != expected:  # cannot happen when every step is observed; never guess
-            seq.head_broken, seq.head_pending = True, []
-            return
-        seq.head_pending.append(hidden.detach().clone())
-
-    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
-        head, dev = self.head, self.head.device
-        drafts = [Draft([], None) for _ in seqs]
-        active = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0 and not s.head_broken
-                  and s.head_pending and _pending_end(s) == len(s.token_ids) - 1]
-        if not active:
-            return drafts
-        rows = [seqs[i] for i in active]
-        feats = [torch.cat(s.head_pending) for s in rows]
-        n_tok = [f.shape[0] for f in feats]
-        T = max(n_tok)
-        H = feats[0].shape[1]
-        F_in = torch.zeros(len(rows), T, H, dtype=head.compute_dtype, device=dev)
-        ids = torch.zeros(len(rows), T, dtype=torch.long, device=dev)
-        for r, (s, f) in enumerate(zip(rows, feats)):
-            F_in[r, :f.shape[0]] = f.to(dev, head.compute_dtype)
-            start = s.head_pending_from
-            ids[r, :f.shape[0]] = torch.tensor(s.token_ids[start + 1:start + 1 + f.shape[0]])
-        last = torch.tensor([r * T + n - 1 for r, n in enumerate(n_tok)], device=dev)
-        logits, g = head.forward(F_in, ids, [s.slot for s in rows], [s.head_pending_from for s in rows], n_tok, last)
-        for s, n in zip(rows, n_tok):
-            s.head_computed = s.head_pending_from + n
-            s.head_pending = []
-        g_last = g.reshape(-1, H).index_select(0, last)  # [R, H]
-        stoch: list[list[torch.Tensor]] = [[] for _ in seqs]
-        step = 0
-        while True:
-            tokens = self._sample(rows, logits, [stoch[i] for i in active])
-            for r, i in enumerate(active):
-                drafts[i].token_ids.append(tokens[r])
-            step += 1
-            keep = [r for r, i in enumerate(active) if ks[i] > step]
-            if not keep:
-                break
-            active = [active[r] for r in keep]
-            sel = torch.tensor(keep, device=dev)
-            g_last = g_last.index_select(0, sel)
-            rows = [rows[r] for r in keep]
-            nxt = torch.tensor([[tokens[r]] for r in keep], device=dev)
-            logits, g = head.forward(g_last[:, None], nxt, [s.slot for s in rows],
-                                     [s.head_computed + step - 1 for s in rows], [1] * len(rows))
-            g_last = g[:, 0]
-        for i, d in enumerate(drafts):
-            if stoch[i]:
-                d.probs = head.full_probs(torch.stack(stoch[i]))
-        return drafts
-
-    def _sample(self, rows: list[Sequence], logits: torch.Tensor, probs_out: list[list[torch.Tensor]]) -> list[int]:
-        head = self.head
-        draft_ids = argmax_rows(logits)
-        out = head.vocab_list_ids(draft_ids)
-        idx = [r for r, s in enumerate(rows) if not s.params.greedy]
-        if not idx:
-            return out
+def _sample(rows: list[Sequence], logits: torch.Tensor,  # [num_rows, vocab_size]
+            probs_out: list[list[torch.Tensor]], to_target=None) -> tuple[list[int], list[float]]:
+    """Each row's candidate (argmax when greedy, a draw from the processed draft distribution
+    otherwise) and the drafter's probability of it. ``to_target`` maps draft-vocabulary ids."""
+    dev = logits.device
+    greedy = [r for r, s in enumerate(rows) if s.params.greedy]
+    out = [0] * len(rows)
+    conf = [1.0] * len(rows)
+    if greedy:
+        sub = logits if len(greedy) == len(rows) else logits[greedy]
+        p = torch.softmax(sub.float(), -1)
+        top = p.max(-1)
+        for j, r in enumerate(greedy):
+            out[r] = int(top.indices[j])
+            conf[r] = float(top.values[j])
+    idx = [r for r in range(len(rows)) if not rows[r].params.greedy]
+    if idx:
         sub = [rows[r] for r in idx]
-        dev = logits.device
         probs = logits_to_probs(logits[idx].float(),
                                 torch.tensor([s.params.temperature for s in sub], device=dev),
                                 torch.tensor([s.params.top_k for s in sub], device=dev),
                                 torch.tensor([s.params.top_p for s in sub], device=dev))
         u = torch.cat([torch.rand(1, generator=s.generator, device=s.generator.device) for s in sub]).to(dev)
-        tok = head.to_target_ids(sample_from_probs(probs, u)).tolist()
+        tok = sample_from_probs(probs, u)
+        pt = probs.gather(1, tok[:, None])[:, 0].tolist()
         for j, r in enumerate(idx):
-            out[r] = tok[j]
+            out[r] = int(tok[j])
+            conf[r] = pt[j]
             probs_out[r].append(probs[j])
-        return out
+    if to_target is not None:
+        out = to_target(out)
+    return out, conf
+
+
+class HeadProposer(Proposer):
+    """A feature-level draft head (EAGLE-style, ``adaptspec.distill.head``).
+
+    Head entry ``j`` holds (target feature f_j, token x_{j+1}). After every step the engine
+    hands over the features of the positions it committed (``observe``) and they are fed in
+    one batched pass; the head's output at the last entry (``seq.head_last``) drafts the
+    first candidate. Each further candidate feeds the head's own output and the previous
+    candidate at the next position; those entries lie past the committed positions and the
+    next ``observe`` overwrites them.
+    """
+
+    name = "draft"
+    wants_features = True
+
+    def __init__(self, head):  # adaptspec.distill.head.HeadModel
+        self.head = head
+
+    def on_admit(self, seq) -> None:
+        seq.head_fed, seq.head_last = seq.num_computed, None  # reused blocks carry the head's entries
+
+    def observe(self, seqs, starts, counts, features) -> None:
+        head = self.head
+        live = [i for i, s in enumerate(seqs) if counts[i] > 0 and s.head_fed == s.num_computed - counts[i]]
+        for i, s in enumerate(seqs):
+            if i not in live and counts[i] > 0:  # a gap in the features: this request cannot use the head
+                s.head_fed, s.head_last = -1, None
+        if not live:
+            return
+        sel = [seqs[i] for i in live]
+        rows = [s.token_ids[s.head_fed + 1:s.head_fed + 1 + counts[i]] for i, s in zip(live, sel)]
+        idx = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in live]).to(features.device)
+        batch = _flat(rows, [s.head_fed for s in sel], sel, head.decoder, last=False)
+        _, g = head.forward(features.index_select(0, idx), batch)
+        at = 0
+        for i, s in zip(live, sel):
+            at += counts[i]
+            s.head_fed += counts[i]
+            s.head_last = g[at - 1]
+
+    def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
+        head = self.head
+        drafts = [Draft([], None, []) for _ in seqs]
+        active = [i for i, (s, k) in enumerate(zip(seqs, ks))
+                  if k > 0 and s.head_last is not None and s.head_fed == s.num_computed]
+        if not active:
+            return drafts
+        stoch: list[list[torch.Tensor]] = [[] for _ in seqs]
+        g_last = torch.stack([seqs[i].head_last for i in active])  # [R, H]
+        logits = head.decoder._mm(g_last, head.decoder.lm_head)
+        step = 0
+        while True:
+            sel = [seqs[i] for i in active]
+            tokens, conf = _sample(sel, logits, [stoch[i] for i in active], head.vocab_list_ids)
+            for r, i in enumerate(active):
+                drafts[i].token_ids.append(tokens[r])
+                drafts[i].confidence.append(conf[r])
+            step += 1
+            keep = [r for r, i in enumerate(active) if ks[i] > step and conf[r] >= seqs[i].spec.min_confidence]
+            if not keep:
+                break
+            active = [active[r] for r in keep]
+            g_last = g_last.index_select(0, torch.tensor(keep, device=g_last.device))
+            sel = [seqs[i] for i in active]
+            batch = _flat([[tokens[r]] for r in keep], [s.head_fed + step - 1 for s in sel], sel, head.decoder,
+                          last=True)
+            logits, g_last = head.forward(g_last, batch)
+        for i, d in enumerate(drafts):
+            if stoch[i]:
+                d.probs = head.full_probs(torch.stack(stoch[i]))
+        return drafts
 
     def release(self, seq) -> None:
-        seq.head_computed, seq.head_pending, seq.head_pending_from, seq.head_broken = 0, [], 0, False
+        seq.head_fed, seq.head_last = 0, None

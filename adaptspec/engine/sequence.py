@@ -28,21 +28,23 @@ class Sequence:
     generator: torch.Generator
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "length" | "stop" | "eos" | "abort"
-    slot: int = -1
-    num_computed: int = 0  # tokens in the target's KV slot (always len(token_ids) - 1 when running)
-    draft_computed: int = 0  # tokens in the draft model's KV slot
+    # the paged KV cache (engine.kv_cache): block ids in position order, positions holding
+    # committed tokens' KV (len(token_ids) - 1 once the prompt is in), hashes of the leading
+    # full blocks and how many of them are registered in the prefix cache
+    block_table: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_hashes: list[bytes] = field(default_factory=list)
+    num_registered: int = 0
+    num_cached_tokens: int = 0  # prompt positions reused from the prefix cache at admission
+    draft_computed: int = 0  # positions in the draft model's KV
     stats: SpecStats = field(default_factory=SpecStats)
     arrival_s: float = field(default_factory=time.perf_counter)
     first_token_s: float | None = None
     finish_s: float | None = None
-    # final hidden states of the target at the last verified positions [n, hidden], for
-    # feature-level draft heads; set only when a proposer asks for them
-    last_hidden: torch.Tensor | None = None
-    # draft head state: entries in the head's KV slot, and target features not fed to it yet
-    head_computed: int = 0
-    head_pending: list = field(default_factory=list)  # [m_i, hidden] tensors, contiguous positions
-    head_pending_from: int = 0  # position of the first pending feature
-    head_broken: bool = False  # a gap in the features: this sequence cannot use the head
+    # draft head state: entries in the head's KV, and its normed output at the last entry
+    # ([hidden]; the feature the first candidate is drafted from)
+    head_fed: int = 0
+    head_last: torch.Tensor | None = None
 
     @property
     def output_ids(self) -> list[int]:
@@ -59,6 +61,11 @@ class Sequence:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+    @property
+    def prefilling(self) -> bool:
+        """Positions before the last token still lack KV (a prompt, or a preempted request)."""
+        return self.num_computed < len(self.token_ids) - 1
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ class RequestStepStats:
     drafted: int  # candidates actually proposed (n-gram may find fewer)
     accepted: int  # drafted tokens kept (none past an EOS or a stop string that ended the request)
     emitted: int
+    draft_confidence: list[float] = field(default_factory=list)  # [drafted] the drafter's probability of each
 
 
 @dataclass(slots=True)
@@ -60,6 +61,7 @@ class SpecStats:
     drafted_per_position: list[int] = field(default_factory=lambda: [0] * MAX_K)
     arms: Counter = field(default_factory=Counter)  # "drafter:k" -> steps
     wall_s: float = 0.0
+    cached_prompt_tokens: int = 0  # prompt positions reused from the prefix cache (one request)
 
     def observe_step(self, r: RequestStepStats) -> None:
         self.drafted += r.drafted
@@ -94,4 +96,5 @@ class SpecStats:
             "drafted_per_position": self.drafted_per_position[:last],
             "arms": dict(self.arms),
             "wall_s": round(self.wall_s, 4),
+            "cached_prompt_tokens": self.cached_prompt_tokens,
         }

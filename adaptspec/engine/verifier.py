@@ -142,8 +142,9 @@ def _triton_importable() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def select_backend(device: torch.device | str | None = None) -> str:
-    """``"triton"`` or ``"torch"``, from the env var ADAPTSPEC_VERIFIER (auto | torch | triton).
+def select_backend(device: torch.device | str | None = None, choice: str | None = None) -> str:
+    """``"triton"`` or ``"torch"`` for ``choice`` (auto | torch | triton; None: the env var
+    ADAPTSPEC_VERIFIER, read here, once, by whoever builds an engine).
 
     auto (the default): triton when ``device`` is CUDA (no device: when CUDA is available)
     and triton is installed. triton forces the kernels (on CPU tensors they then need
@@ -151,7 +152,9 @@ def select_backend(device: torch.device | str | None = None) -> str:
     """
     import os
 
-    choice = os.environ.get("ADAPTSPEC_VERIFIER", "auto").strip().lower() or "auto"
+    if choice is None or choice == "auto":
+        choice = os.environ.get("ADAPTSPEC_VERIFIER", "auto")
+    choice = choice.strip().lower() or "auto"
     if choice not in ("auto", "torch", "triton"):
         raise ValueError(f"ADAPTSPEC_VERIFIER={choice!r}: expected one of auto, torch, triton")
     if choice == "torch":
@@ -171,8 +174,9 @@ def verify_greedy_dispatch(
     num_draft_tokens: torch.Tensor,  # [num_reqs] int64
     *,
     max_num_draft_tokens: int | None = None,  # host-known max k: saves the kernels' one sync
+    backend: str | None = None,  # "torch" | "triton": chosen once by the caller; None: select_backend
 ) -> VerifyResult:
-    if select_backend(target_logits.device) == "torch":
+    if (backend or select_backend(target_logits.device)) == "torch":
         return verify_greedy(target_logits, draft_token_ids, num_draft_tokens)
     from adaptspec_kernels.verify import greedy_verify
 
@@ -189,9 +193,10 @@ def verify_stochastic_dispatch(
     uniform_sample: torch.Tensor,  # [num_reqs] in [0, 1)
     *,
     max_num_draft_tokens: int | None = None,  # host-known max k: saves the kernels' one sync
+    backend: str | None = None,
 ) -> VerifyResult:
     args = (target_probs, draft_token_ids, draft_probs, num_draft_tokens, uniform_accept, uniform_sample)
-    if select_backend(target_probs.device) == "torch":
+    if (backend or select_backend(target_probs.device)) == "torch":
         return verify_stochastic(*args)
     from adaptspec_kernels.verify import stochastic_verify
 
@@ -210,10 +215,11 @@ def verify_stochastic_from_logits_dispatch(
     uniform_sample: torch.Tensor,  # [num_reqs] in [0, 1)
     *,
     max_num_draft_tokens: int | None = None,  # host-known max k: saves the kernels' one sync
+    backend: str | None = None,
 ) -> VerifyResult:
     """Per-request temperature/top-k/top-p applied to the target logits, then verified; the
     Triton path fuses the temperature softmax (top-k/top-p still go through torch)."""
-    if select_backend(target_logits.device) == "triton":
+    if (backend or select_backend(target_logits.device)) == "triton":
         from adaptspec_kernels.verify import stochastic_verify_from_logits
 
         return VerifyResult(*stochastic_verify_from_logits(

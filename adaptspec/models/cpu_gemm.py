@@ -200,9 +200,9 @@ def _declare_layer_ops(lib: ctypes.CDLL) -> None:
     i, p, f, i64 = ctypes.c_int, ctypes.c_void_p, ctypes.c_float, ctypes.c_int64
     for name, args in (("adaptspec_add_rms_norm", [i, i, p, p, p, f, p]),
                        ("adaptspec_silu_mul", [i, i, p, p]),
-                       ("adaptspec_attention", [i, p, p, p, p, i, p, p, p, p, i64, i64, i, i, i, f, p, i, i]),
+                       ("adaptspec_attention", [i, p, p, i, i, p, p, i, p, p, p, p, i64, i64, i, i, i, f, p, i, i]),
                        ("adaptspec_layers", [i, i, i, i, i, p, f, p, p, p, p, p, p, p, i, p, p,
-                                             i, p, p, p, p, p, p, p, i64, i64, i, i, i, f, i,
+                                             i, p, p, i, i, p, p, p, p, p, i64, i64, i, i, i, f, i,
                                              p, p, p, p, p, p, p, i])):
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
@@ -262,19 +262,20 @@ def silu_mul(gu: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def attention(qkv: torch.Tensor, row_start: torch.Tensor, slots: torch.Tensor, cache_lens: torch.Tensor,
+def attention(qkv: torch.Tensor, row_start: torch.Tensor, block_tables: torch.Tensor, cache_lens: torch.Tensor,
               cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               num_heads: int, max_ctx: int) -> torch.Tensor:
-    """Rotary embedding, cache write and causal attention over the cache for B sequences'
-    new tokens (see ``adaptspec_attention``). qkv [N, (H + 2 Hkv) D] (rotated in place);
-    row_start [B + 1], slots [B], cache_lens [B]: int32; caches [slots, Hkv, L, D].
-    Returns [N, H * D]."""
-    _, hkv, length, d = k_cache.shape
+    """Rotary embedding, paged-cache write and causal attention over the cache for B
+    sequences' new tokens (see ``adaptspec_attention``). qkv [N, (H + 2 Hkv) D] (rotated in
+    place); row_start [B + 1], block_tables [B, max_blocks], cache_lens [B]: int32, contiguous;
+    caches [num_blocks, Hkv, block_size, D]. Returns [N, H * D]."""
+    _, hkv, bs, d = k_cache.shape
     n = qkv.shape[0]
     out = torch.empty(n, num_heads * d, dtype=torch.float32)
-    _lib.adaptspec_attention(slots.shape[0], row_start.data_ptr(), slots.data_ptr(), cache_lens.data_ptr(),
+    _lib.adaptspec_attention(block_tables.shape[0], row_start.data_ptr(), block_tables.data_ptr(),
+                             block_tables.shape[1], bs, cache_lens.data_ptr(),
                              qkv.data_ptr(), qkv.shape[1], cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-                             v_cache.data_ptr(), hkv * length * d, length * d, num_heads, hkv, d,
+                             v_cache.data_ptr(), hkv * bs * d, bs * d, num_heads, hkv, d,
                              d ** -0.5, out.data_ptr(), max_ctx, torch.get_num_threads())
     return out
 
@@ -347,7 +348,7 @@ class CLayers:
         L = self.num_layers
         self.kcache = (ctypes.c_void_p * L)(*[t.data_ptr() for t in k_cache])
         self.vcache = (ctypes.c_void_p * L)(*[t.data_ptr() for t in v_cache])
-        _, self.hkv, self.length, self.head_dim = k_cache[0].shape
+        _, self.hkv, self.block_size, self.head_dim = k_cache[0].shape
 
     def takes(self, n: int) -> bool:
         """Whether every product of an ``n``-row step runs on the kernel (fp32 products of
@@ -356,7 +357,7 @@ class CLayers:
             return False
         return self.layout != 0 or (n <= MAX_ROWS_F32 and not (n == 1 and ONE_ROW_BLAS))
 
-    def run(self, h: torch.Tensor, eps: float, row_start: torch.Tensor, slots: torch.Tensor,
+    def run(self, h: torch.Tensor, eps: float, row_start: torch.Tensor, block_tables: torch.Tensor,
             cache_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,
             max_ctx: int) -> torch.Tensor:
         """All layers and the final norm over h [N, hidden] (updated in place): the hidden
@@ -373,9 +374,10 @@ class CLayers:
         _lib.adaptspec_layers(self.num_layers, n, hd, self.wqkv_out, self.inter, h.data_ptr(), eps,
                               self.ln1, self.wqkv, self.bias, self.wo, self.ln2, self.wgu, self.wdown,
                               self.layout, self.norm.data_ptr(), out.data_ptr(),
-                              slots.shape[0], row_start.data_ptr(), slots.data_ptr(), cache_lens.data_ptr(),
+                              block_tables.shape[0], row_start.data_ptr(), block_tables.data_ptr(),
+                              block_tables.shape[1], self.block_size, cache_lens.data_ptr(),
                               cos.data_ptr(), sin.data_ptr(), self.kcache, self.vcache,
-                              self.hkv * self.length * d, self.length * d, num_heads, self.hkv, d, d ** -0.5,
+                              self.hkv * self.block_size * d, self.block_size * d, num_heads, self.hkv, d, d ** -0.5,
                               max_ctx, *ptrs, torch.get_num_threads())
         return out
 

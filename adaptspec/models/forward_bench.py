@@ -16,7 +16,10 @@ import time
 
 import torch
 
+from adaptspec.models.batch import FlatBatch
+
 SIZES = (1, 2, 5, 9)
+BS = 16  # KV block size
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -37,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     from adaptspec.models.loader import load_model
 
     torch.set_num_threads(a.threads)
-    models = {}
+    models, tables = {}, {}
     for lay in a.layouts.split(","):
         base, _, suffix = lay.partition("-")
         if suffix not in ("", "unfused", "widened"):
@@ -49,19 +52,21 @@ def main(argv: list[str] | None = None) -> None:
         finally:
             cpu_gemm.BF16_DOT = dot
         m.fused = m.fused and suffix != "unfused"
-        m.allocate_cache(2, a.cached + a.prefill + max(SIZES) + 1)
-        m.forward(torch.randint(0, 1000, (1, a.cached)), [0], [0], [a.cached],
-                  logits_rows=torch.tensor([a.cached - 1]))
+        per_seq = -(-(a.cached + a.prefill + max(SIZES) + 1) // BS)
+        m.allocate_kv(2 * per_seq, BS)
+        tables[lay] = [list(range(per_seq)), list(range(per_seq, 2 * per_seq))]
+        m.forward(FlatBatch.build([torch.randint(0, 1000, (a.cached,)).tolist()], [0], tables[lay][:1],
+                                  [a.cached - 1], BS, m.device))
         models[lay] = m
     g = torch.Generator().manual_seed(0)
 
-    def once(m, n: int) -> float:
-        ids = torch.randint(0, 1000, (1, n), generator=g)
+    def once(lay: str, m, n: int) -> float:
+        ids = torch.randint(0, 1000, (n,), generator=g).tolist()
         t = time.perf_counter()
-        if n == a.prefill:  # a new prompt in slot 1
-            m.forward(ids, [1], [0], [n], logits_rows=torch.tensor([n - 1]))
-        else:  # new tokens over slot 0's cached prefix (written at the same positions each time)
-            m.forward(ids, [0], [a.cached], [n])
+        if n == a.prefill:  # a new prompt in sequence 1
+            m.forward(FlatBatch.build([ids], [0], tables[lay][1:], [n - 1], BS, m.device))
+        else:  # new tokens over sequence 0's cached prefix (written at the same positions each time)
+            m.forward(FlatBatch.build([ids], [a.cached], tables[lay][:1], list(range(n)), BS, m.device))
         return (time.perf_counter() - t) * 1e3
 
     sizes = (*SIZES, a.prefill)
@@ -70,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         order = list(models.items()) if rep % 2 == 0 else list(models.items())[::-1]
         for n in sizes:
             for lay, m in order:
-                t = once(m, n)
+                t = once(lay, m, n)
                 if rep:
                     times[lay][n].append(t)
     print(f"{a.target} {a.dtype}, {a.threads} threads, {a.cached} cached tokens; median ms of {a.reps}")

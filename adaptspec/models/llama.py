@@ -1,20 +1,22 @@
-"""A compact Llama-family forward over a slot KV cache.
+"""A compact Llama-family forward over a paged KV cache.
 
 Covers Llama, SmolLM, Mistral (full attention) and Qwen2-style models (q/k/v bias):
 RMSNorm, rotary embeddings (default and llama3 scaling), grouped-query attention,
 SwiGLU, tied or untied output layer. Weights come from a transformers model
 (``LlamaModel.from_hf``); nothing here downloads anything.
 
-The KV cache is a preallocated tensor per layer, ``[num_slots, num_kv_heads, max_len,
-head_dim]``: one slot per running sequence (padding tokens are never written). The
-*length* of each slot lives with the caller; rolling back after a rejection is only setting
-that length, nothing is copied.
+``forward`` takes one ``FlatBatch``: every sequence's new tokens one after another (prefill
+chunks, decode tokens, verification rows alike), never padded; norms, projections and MLP
+run on exactly those rows, and attention (``adaptspec.models.attention``) reads each
+sequence's keys through its block table. The KV cache is paged: per layer ``[num_blocks,
+num_kv_heads, block_size, head_dim]``; which blocks a sequence owns and how many positions
+hold committed tokens live with the engine, so rolling back after a rejection is only a
+length (and freeing tail blocks).
 
-On the CPU in fp32 compute, decode and verification steps (rows of up to
-``FUSED_MAX_TOKENS`` new tokens) take ``_forward_fused``: the same layer with its norms,
-rotary embedding, cache write, attention and SwiGLU in C (``cpu_gemm``, ``csrc/layer_ops.c``);
-where every weight is on the matmul kernel, the whole layer loop is one C call
-(``cpu_gemm.CLayers``, bitwise the same results).
+On the CPU in fp32 compute the norms, rotary embedding, cache write, attention and SwiGLU
+run in C (``cpu_gemm``, ``csrc/layer_ops.c``); where every weight is on the matmul kernel and
+the step has few rows, the whole layer loop is one C call (``cpu_gemm.CLayers``, bitwise
+the same results as the per-layer loop).
 """
 from __future__ import annotations
 
@@ -25,11 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from adaptspec.models import cpu_gemm
-
-# Rows (sequences) of up to this many new tokens take the fused CPU path; longer ones
-# (prefills) stay on torch, whose attention is tiled for them.
-FUSED_MAX_TOKENS = 32
-
+from adaptspec.models.attention import CpuAttention, TorchAttention
+from adaptspec.models.batch import FlatBatch
 
 @dataclass(slots=True)
 class LlamaConfig:
@@ -161,17 +160,19 @@ class LlamaModel:
         emb = torch.cat([freqs, freqs], -1)
         self.cos = emb.cos().to(self.device, ct)  # [max_position, head_dim]
         self.sin = emb.sin().to(self.device, ct)
-        # decoding and verification (rows of up to FUSED_MAX_TOKENS tokens) run their norms,
-        # rotary embedding, attention and SwiGLU in C (csrc/layer_ops.c) on the CPU in fp32
+        # norms, rotary embedding, attention and SwiGLU in C (csrc/layer_ops.c) on the CPU in fp32
         self.fused = (self.device.type == "cpu" and self.fast and ct == torch.float32
                       and cpu_gemm.mode() != "0" and cpu_gemm.enabled())
         # the fused path's layers in one C call where every weight is on the kernel
         self.c_layers = (cpu_gemm.CLayers(self.layers, self.norm)
                          if self.fused and cpu_gemm.CLayers.applies(self.layers) else None)
+        heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin)
+        self._cpu_attn = CpuAttention(*heads) if self.fused else None
+        self._torch_attn = TorchAttention(*heads)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
-        self.num_slots = 0
-        self.max_len = 0
+        self.num_blocks = 0
+        self.block_size = 0
 
     def lay_weight(self, w: torch.Tensor):
         """An [out, in] weight (in the model's dtype and device) laid out for ``_mm``: packed
@@ -188,147 +189,97 @@ class LlamaModel:
         cfg = LlamaConfig.from_hf(hf_model.config)
         return cls(cfg, dict(hf_model.state_dict()), dtype, device, matmul)
 
+    @property
+    def attn(self):
+        """The attention backend: the C kernel with the fused CPU path, torch otherwise."""
+        return self._cpu_attn if self.fused else self._torch_attn
+
     # ---- KV cache --------------------------------------------------------------------
-    def allocate_cache(self, num_slots: int, max_len: int) -> None:
-        """Preallocate ``num_slots`` sequences of up to ``max_len`` tokens."""
+    def kv_bytes_per_block(self, block_size: int) -> int:
         c = self.cfg
-        shape = (num_slots, c.num_kv_heads, max_len, c.head_dim)
+        return 2 * c.num_layers * c.num_kv_heads * block_size * c.head_dim * self.compute_dtype.itemsize
+
+    def allocate_kv(self, num_blocks: int, block_size: int) -> None:
+        """The paged cache: per layer ``[num_blocks, Hkv, block_size, D]`` keys and values.
+        Block ids come from the engine's ``BlockPool`` (the same ids for every model)."""
+        c = self.cfg
+        if self.fused and block_size % 8:
+            raise ValueError(f"block_size must be a multiple of 8 for the CPU kernels, got {block_size}")
+        shape = (num_blocks, c.num_kv_heads, block_size, c.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.compute_dtype, device=self.device) for _ in range(c.num_layers)]
         self.v_cache = [torch.zeros(shape, dtype=self.compute_dtype, device=self.device) for _ in range(c.num_layers)]
-        self.num_slots, self.max_len = num_slots, max_len
+        self.num_blocks, self.block_size = num_blocks, block_size
         if self.c_layers is not None:
             self.c_layers.set_caches(self.k_cache, self.v_cache)
 
     # ---- forward ---------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [B, T] (padding anywhere past num_tokens[b])
-        slots: list[int],  # [B] KV slot of each row
-        cache_lens: list[int],  # [B] tokens already in each slot
-        num_tokens: list[int],  # [B] real (non-padding) tokens of each row, >= 1
-        logits_rows: torch.Tensor | None = None,  # [N] flat indices b*T+t wanting logits; None: all
-        inputs_embeds: torch.Tensor | None = None,  # [B, T, hidden] instead of embedding input_ids
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run the new tokens of each row over its cached prefix and extend the cache.
+    def forward(self, batch: FlatBatch, inputs_embeds: torch.Tensor | None = None,
+                feature_layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the step's new tokens (all sequences, flattened) over their cached prefixes,
+        writing their keys and values into the paged cache.
 
-        Returns ``(logits, hidden)``: logits ``[N, vocab]`` for the requested rows and the
-        final (normed) hidden states ``[B, T, hidden]`` of every position (zeros past a row's
-        tokens), which a feature-level draft head can consume at no extra cost. A draft head
-        passes its own ``inputs_embeds`` (``input_ids`` then only gives the shape).
-
-        Rows of different lengths (prompts of different sizes, requests verifying different
-        k) are not padded through the layers: the norms, projections and MLP run on the real
-        tokens only, packed one after another, and only attention sees the [B, T] layout.
-        A batch mixing k = 0 and k = 4 rows costs the tokens it has, not B x 5, which is what
-        the controller's cost model (verify time by the step's total tokens) assumes.
+        Returns ``(logits, hidden)``: logits ``[num_logits, vocab]`` for
+        ``batch.logits_indices`` and the final normed hidden states ``[num_tokens, hidden]``
+        of every row, which a feature-level draft head consumes at no extra cost; with
+        ``feature_layers`` (indices as transformers' ``output_hidden_states``: 0 = the
+        embeddings, i = the residual stream entering layer i, num_layers = the final normed
+        state), ``hidden`` is those states concatenated, ``[num_tokens, len * hidden]``. A
+        draft head passes its own ``inputs_embeds`` ``[num_tokens, hidden]``.
         """
-        c, dev = self.cfg, self.device
-        B, T = input_ids.shape
-        ctx = max(l + n for l, n in zip(cache_lens, num_tokens))
-        if ctx > self.max_len:
-            raise ValueError(f"context of {ctx} tokens exceeds the KV cache length {self.max_len}")
-        if self.fused and max(num_tokens) <= FUSED_MAX_TOKENS:
-            return self._forward_fused(input_ids, slots, cache_lens, num_tokens, ctx, logits_rows, inputs_embeds)
-        lens = torch.tensor(cache_lens, device=dev)  # [B]
-        ntok = torch.tensor(num_tokens, device=dev)  # [B]
-        t = torch.arange(T, device=dev)
-        positions = lens[:, None] + t[None, :]  # [B, T]
-        real = t[None, :] < ntok[:, None]  # [B, T]
-        padded = any(n != T for n in num_tokens)
-        # the real tokens, packed: flat index b * T + t of each, and its slot and position
-        flat_idx = real.reshape(-1).nonzero().squeeze(1) if padded else None
-        pick = (lambda x: x.reshape(B * T, *x.shape[2:]).index_select(0, flat_idx)) if padded else (  # noqa: E731
-            lambda x: x.reshape(B * T, *x.shape[2:]))
-        slot_p = pick(torch.tensor(slots, device=dev)[:, None].expand(B, T))  # [N]
-        pos_p = pick(positions)  # [N]
-        N = pos_p.shape[0]
-        contiguous = all(s == slots[0] + i for i, s in enumerate(slots))
-        key_pos = torch.arange(ctx, device=dev)
-        if T == 1 and len(set(cache_lens)) == 1:
-            mask = None  # one new token per row, all rows the same length: nothing to hide
-        else:  # [B, 1, T, ctx]: key j visible to the query at absolute position p iff j <= p
-            mask = (key_pos[None, None, :] <= positions[:, :, None]) & real[:, :, None]
-            mask = mask | ~real[:, :, None]  # padding queries see everything (outputs ignored)
-            mask = mask[:, None]
-        cos, sin = self.cos[pos_p][:, None], self.sin[pos_p][:, None]  # [N, 1, D]
-
-        h = pick(F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds)  # [N, hidden]
-        h = h.to(self.compute_dtype)
-        nq, nkv, hd = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim
-        q_pad = torch.zeros(B * T, c.num_heads, hd, dtype=h.dtype, device=dev) if padded else None
-        for li, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
-            x = F.rms_norm(h, (c.hidden_size,), ln1, c.rms_norm_eps)
-            qkv = self._mm(x, qkv_w, qkv_b)
-            q = qkv[:, :nq].view(N, c.num_heads, hd)  # [N, H, D]
-            k = qkv[:, nq:nq + nkv].view(N, c.num_kv_heads, hd)
-            v = qkv[:, nq + nkv:].view(N, c.num_kv_heads, hd)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
-            kc, vc = self.k_cache[li], self.v_cache[li]
-            kc[slot_p, :, pos_p] = k  # [N, Hkv, D] into [slots, Hkv, L, D]
-            vc[slot_p, :, pos_p] = v
-            if contiguous:
-                keys, values = kc[slots[0]:slots[0] + B, :, :ctx], vc[slots[0]:slots[0] + B, :, :ctx]
-            else:
-                idx = torch.tensor(slots, device=dev)
-                keys, values = kc[idx, :, :ctx], vc[idx, :, :ctx]
-            if padded:  # attention alone sees [B, T]; padding queries are zeros, their outputs dropped
-                q = q_pad.index_copy_(0, flat_idx, q)
-            a = F.scaled_dot_product_attention(q.view(B, T, c.num_heads, hd).transpose(1, 2), keys, values,
-                                               attn_mask=mask, enable_gqa=c.num_kv_heads != c.num_heads)
-            h = h + self._mm(pick(a.transpose(1, 2)).reshape(N, nq), o_w)
-            x = F.rms_norm(h, (c.hidden_size,), ln2, c.rms_norm_eps)
-            gu = self._mm(x, gate_up_w)
-            h = h + self._mm(F.silu(gu[:, :c.intermediate_size]) * gu[:, c.intermediate_size:], down_w)
-        hidden_p = F.rms_norm(h, (c.hidden_size,), self.norm, c.rms_norm_eps)  # [N, hidden]
-        return self._output(hidden_p, B, T, flat_idx if padded else None, logits_rows)
-
-    def _output(self, hidden_p, B: int, T: int, flat_idx, logits_rows):
-        """Logits of the wanted rows and the hidden states back in the [B, T] layout."""
-        if flat_idx is not None:
-            hidden = torch.zeros(B * T, hidden_p.shape[1], dtype=hidden_p.dtype, device=self.device)
-            hidden.index_copy_(0, flat_idx, hidden_p)
-        else:
-            hidden = hidden_p
-        flat = hidden if logits_rows is None else hidden.index_select(0, logits_rows)
-        return self._mm(flat, self.lm_head), hidden.view(B, T, hidden_p.shape[1])
-
-    def _forward_fused(self, input_ids, slots, cache_lens, num_tokens, ctx, logits_rows, inputs_embeds):
-        """``forward`` for rows of a few tokens (decoding, verification) on the CPU in fp32:
-        the same computation, with everything but the matmuls in three C calls per layer
-        (``cpu_gemm.attention`` / ``add_rms_norm`` / ``silu_mul``) instead of ~45 torch
-        operations; only the real tokens, packed, are computed. With ``c_layers`` (every
-        weight on the kernel, and the step's rows within its reach) the loop itself runs in C."""
         c = self.cfg
-        B, T = input_ids.shape
-        padded = any(n != T for n in num_tokens)
-        src = F.embedding(input_ids, self.embed) if inputs_embeds is None else inputs_embeds  # [B, T, hidden]
-        src = src.reshape(B * T, c.hidden_size)
-        flat_idx = None
-        if padded:
-            flat_idx = torch.tensor([b * T + t for b, n in enumerate(num_tokens) for t in range(n)])
-            src = src.index_select(0, flat_idx)
-        # the residual stream, updated in place by the C calls: a contiguous copy, never the caller's
-        h = src.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
-        starts = [0]
-        for n in num_tokens:
-            starts.append(starts[-1] + n)
-        row_start = torch.tensor(starts, dtype=torch.int32)
-        slots_t = torch.tensor(slots, dtype=torch.int32)
-        lens_t = torch.tensor(cache_lens, dtype=torch.int32)
-        eps, x, delta = c.rms_norm_eps, None, None
-        if self.c_layers is not None and self.c_layers.takes(h.shape[0]):  # the loop below, in C
-            hidden_p = self.c_layers.run(h, eps, row_start, slots_t, lens_t, self.cos, self.sin, c.num_heads, ctx)
-            return self._output(hidden_p, B, T, flat_idx, logits_rows)
+        if batch.max_ctx > c.max_position:
+            raise ValueError(f"context of {batch.max_ctx} tokens exceeds the model's {c.max_position} positions")
+        src = F.embedding(batch.input_ids, self.embed) if inputs_embeds is None else inputs_embeds  # [N, hidden]
+        # the residual stream, updated in place: a contiguous copy, never the caller's tensor
+        h = src.to(self.compute_dtype, memory_format=torch.contiguous_format, copy=True)
+        N = h.shape[0]
+        if self.fused and self.c_layers is not None and not feature_layers and self.c_layers.takes(N):
+            hb = batch.host
+            hidden = self.c_layers.run(h, c.rms_norm_eps, torch.from_numpy(hb["cu"]), torch.from_numpy(hb["bt"]),
+                                       torch.from_numpy(hb["ctx"]), self.cos, self.sin, c.num_heads, batch.max_ctx)
+        else:
+            hidden = self._layers(h, batch, feature_layers)
+        rows = hidden if not feature_layers else hidden[:, -c.hidden_size:] if feature_layers[-1] == c.num_layers \
+            else None
+        logits = None
+        if batch.logits_indices.numel():
+            if rows is None:
+                raise ValueError("feature_layers must end with num_layers when logits are wanted")
+            logits = self._mm(rows.index_select(0, batch.logits_indices), self.lm_head)
+        return logits, hidden
+
+    def _layers(self, h: torch.Tensor, batch: FlatBatch, feature_layers: tuple[int, ...]) -> torch.Tensor:
+        """The decoder layers one by one (prefill-sized steps, torch backends, feature taps)."""
+        c, eps = self.cfg, self.cfg.rms_norm_eps
+        meta = self.attn.prepare(batch)
+        taps: dict[int, torch.Tensor] = {}
+        delta, x = None, None
         for li, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(self.layers):
-            x = cpu_gemm.add_rms_norm(h, delta, ln1, eps, out=x)
-            a = cpu_gemm.attention(self._mm(x, qkv_w, qkv_b), row_start, slots_t, lens_t, self.cos, self.sin,
-                                   self.k_cache[li], self.v_cache[li], c.num_heads, ctx)
-            x = cpu_gemm.add_rms_norm(h, self._mm(a, o_w), ln2, eps, out=x)
-            delta = self._mm(cpu_gemm.silu_mul(self._mm(x, gate_up_w)), down_w)
-        hidden_p = cpu_gemm.add_rms_norm(h, delta, self.norm, eps)
-        return self._output(hidden_p, B, T, flat_idx, logits_rows)
+            x = self._add_norm(h, delta, ln1, eps, x)
+            if li in feature_layers:  # the residual stream entering layer li (delta added above)
+                taps[li] = h.clone()
+            a = self.attn.attend(self._mm(x, qkv_w, qkv_b), self.k_cache[li], self.v_cache[li], batch, meta)
+            x = self._add_norm(h, self._mm(a, o_w), ln2, eps, x)
+            gu = self._mm(x, gate_up_w)
+            if self.fused:
+                delta = self._mm(cpu_gemm.silu_mul(gu), down_w)
+            else:
+                delta = self._mm(F.silu(gu[:, :c.intermediate_size]) * gu[:, c.intermediate_size:], down_w)
+        out = self._add_norm(h, delta, self.norm, eps, None)
+        if not feature_layers:
+            return out
+        taps[c.num_layers] = out
+        return torch.cat([taps[i] for i in feature_layers], 1)
+
+    def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float,
+                  out: torch.Tensor | None) -> torch.Tensor:
+        """``h += delta`` in place, then RMSNorm(h) * w."""
+        if self.fused:
+            return cpu_gemm.add_rms_norm(h, delta, w, eps, out=out)
+        if delta is not None:
+            h += delta
+        return F.rms_norm(h, (self.cfg.hidden_size,), w, eps)
 
     def _mm(self, x: torch.Tensor, w, b: torch.Tensor | None = None) -> torch.Tensor:
         if not self.fast:
@@ -344,8 +295,3 @@ class LlamaModel:
         if self.matmul == "packed":
             return self.lm_head.unpacked().t()
         return self.lm_head.t() if self.fast else self.lm_head
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from ray import serve
 
 from adaptspec.engine.params import SamplingParams
+from adaptspec.engine.proposers import Proposer
 from adaptspec.serve.config import ServiceConfig
 
 
@@ -51,10 +52,14 @@ class DraftReply:
 class DraftService:
     """Ray-free core: mirrors, slots (LRU eviction), the draft-model proposer."""
 
+    BLOCK_SIZE = 16
+
     def __init__(self, model, num_slots: int, max_len: int):
         from adaptspec.engine.proposers import DraftModelProposer
 
-        model.allocate_cache(num_slots, max_len)
+        # each mirror owns a fixed run of blocks (its "slot"): mirrors never share KV here
+        self.blocks_per_slot = -(-max_len // self.BLOCK_SIZE)
+        model.allocate_kv(num_slots * self.blocks_per_slot, self.BLOCK_SIZE)
         self.proposer = DraftModelProposer(model)
         self.free = list(range(num_slots - 1, -1, -1))
         self.mirrors: collections.OrderedDict = collections.OrderedDict()  # key -> (Sequence, fed tokens)
@@ -68,7 +73,8 @@ class DraftService:
             drafts = self.proposer.propose(seqs, [i.k for i in job.items])
             for item, seq, d in zip(job.items, seqs, drafts):
                 # what now sits in KV positions [0, draft_computed): real tokens, then fed candidates
-                self.mirrors[item.key] = (seq, (seq.token_ids + d.token_ids)[:seq.draft_computed])
+                self.mirrors[item.key] = (seq, (seq.token_ids + d.token_ids)[:seq.draft_computed],
+                                          seq.block_table[0] // self.blocks_per_slot)
             return DraftReply([d.token_ids for d in drafts], [d.probs for d in drafts])
 
     def _sync(self, item: DraftItem):
@@ -83,31 +89,33 @@ class DraftService:
                 self._drop(next(iter(self.mirrors)))  # least recently used
             gen = torch.Generator()
             gen.manual_seed(item.params.seed if item.params.seed is not None else zlib.crc32(item.key.encode()))
+            slot = self.free.pop()
             seq = Sequence(item.key, list(item.token_ids), len(item.token_ids), item.params, SpecConfig(), "", gen,
-                           status=Status.RUNNING, slot=self.free.pop())
+                           status=Status.RUNNING)
+            n = self.blocks_per_slot
+            seq.block_table = list(range(slot * n, (slot + 1) * n))
             fed: list[int] = []
         else:
-            seq, fed = entry
+            seq, fed, slot = entry
         n = 0
         limit = min(len(fed), len(item.token_ids))
         while n < limit and fed[n] == item.token_ids[n]:
             n += 1
         seq.draft_computed = min(seq.draft_computed, n)
         seq.token_ids, seq.params = list(item.token_ids), item.params
-        self.mirrors[item.key] = (seq, fed)
+        self.mirrors[item.key] = (seq, fed, slot)
         return seq
 
     def _drop(self, key: str) -> None:
         entry = self.mirrors.pop(key, None)
         if entry is not None:
-            self.free.append(entry[0].slot)
+            self.free.append(entry[2])
 
 
-class RemoteDraftProposer:
+class RemoteDraftProposer(Proposer):
     """The target-side stand-in for the draft model (an engine ``Proposer``)."""
 
     name = "draft"
-    wants_hidden = False
 
     def __init__(self, handle, replica_id: str, loop: asyncio.AbstractEventLoop, timeout_s: float = 5.0):
         self.handle, self.replica_id, self.loop, self.timeout_s = handle, replica_id, loop, timeout_s
@@ -130,7 +138,7 @@ class RemoteDraftProposer:
             raise TimeoutError(f"Drafter did not answer within {self.timeout_s} s") from None
         return [Draft(ids, p) for ids, p in zip(reply.token_ids, reply.probs)]
 
-    def on_verified(self, seq, num_tokens_before, num_accepted, hidden) -> None:
+    def on_verified(self, seq, num_tokens_before, num_accepted, hidden=None) -> None:
         pass  # the Drafter re-syncs from the token ids it gets next step
 
     def release(self, seq) -> None:

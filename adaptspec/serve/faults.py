@@ -25,8 +25,8 @@ class GuardedProposer(Proposer):
         self.skipped_until = 0.0
 
     @property
-    def wants_hidden(self) -> bool:  # type: ignore[override]
-        return self.inner.wants_hidden
+    def wants_features(self) -> bool:  # type: ignore[override]
+        return self.inner.wants_features
 
     def propose(self, seqs, ks) -> list[Draft]:
         now = time.perf_counter()
@@ -44,19 +44,25 @@ class GuardedProposer(Proposer):
             return [Draft([]) for _ in seqs]
         return drafts
 
-    def on_verified(self, seq, num_tokens_before, num_accepted, hidden) -> None:
+    def on_verified(self, seq, num_tokens_before, num_accepted, hidden=None) -> None:
         try:
             self.inner.on_verified(seq, num_tokens_before, num_accepted, hidden)
         except Exception as exc:
             self._fault(f"on_verified raised {type(exc).__name__}: {exc}")
 
-    def observe_hidden(self, seq, position, hidden) -> None:
-        # a head that misses features stops drafting for that sequence (it checks positions),
-        # so a failure here costs drafts, never the request
+    def observe(self, seqs, starts, counts, features) -> None:
+        # a head that misses features stops drafting for those sequences (it checks
+        # positions), so a failure here costs drafts, never a request
         try:
-            self.inner.observe_hidden(seq, position, hidden)
+            self.inner.observe(seqs, starts, counts, features)
         except Exception as exc:
-            self._fault(f"observe_hidden raised {type(exc).__name__}: {exc}")
+            self._fault(f"observe raised {type(exc).__name__}: {exc}")
+
+    def on_admit(self, seq) -> None:
+        try:
+            self.inner.on_admit(seq)
+        except Exception as exc:
+            self._fault(f"on_admit raised {type(exc).__name__}: {exc}")
 
     def release(self, seq) -> None:
         try:
@@ -79,8 +85,8 @@ class FaultyProposer(Proposer):
         self.calls = 0
 
     @property
-    def wants_hidden(self) -> bool:  # type: ignore[override]
-        return self.inner.wants_hidden
+    def wants_features(self) -> bool:  # type: ignore[override]
+        return self.inner.wants_features
 
     def propose(self, seqs, ks) -> list[Draft]:
         self.calls += 1
@@ -89,11 +95,14 @@ class FaultyProposer(Proposer):
             raise RuntimeError(f"injected fault in drafter {self.name!r} (call {self.calls})")
         return self.inner.propose(seqs, ks)
 
-    def on_verified(self, seq, num_tokens_before, num_accepted, hidden) -> None:
+    def on_verified(self, seq, num_tokens_before, num_accepted, hidden=None) -> None:
         self.inner.on_verified(seq, num_tokens_before, num_accepted, hidden)
 
-    def observe_hidden(self, seq, position, hidden) -> None:
-        self.inner.observe_hidden(seq, position, hidden)
+    def observe(self, seqs, starts, counts, features) -> None:
+        self.inner.observe(seqs, starts, counts, features)
+
+    def on_admit(self, seq) -> None:
+        self.inner.on_admit(seq)
 
     def release(self, seq) -> None:
         self.inner.release(seq)
@@ -102,12 +111,13 @@ class FaultyProposer(Proposer):
 def guard_proposers(engine, *, inject=None, timeout_s: float = 5.0, cooldown_s: float = 1.0) -> list[GuardedProposer]:
     """Wrap every proposer of ``engine`` in place; ``inject``: a ``FaultInjection`` config."""
     guards = []
-    for name, prop in list(engine.proposers.items()):
+
+    def wrap(name, prop):
         if inject is not None and inject.drafter == name:
             prop = FaultyProposer(prop, inject.after_calls, inject.every)
         guard = GuardedProposer(prop, timeout_s=timeout_s, cooldown_s=cooldown_s)
-        engine.proposers[name] = guard
         guards.append(guard)
-    # the engine hands the target's features to these: the guards, not the proposers they wrap
-    engine._feature_sinks = [p for p in engine.proposers.values() if p.wants_hidden]
+        return guard
+
+    engine.wrap_proposers(wrap)
     return guards

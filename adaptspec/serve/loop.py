@@ -405,7 +405,7 @@ def engine_state(eng, drafter_faults: int = 0) -> ReplicaState:
     return ReplicaState("", batch_size=last.batch_size if last else 0, num_waiting=last.num_waiting if last else 0,
                         steps=eng.step_count, drafter_faults=drafter_faults,
                         verify_tokens=last.verify_tokens if last else 0,
-                        context_tokens=last.context_tokens if last else 0, free_slots=len(eng.scheduler.free_slots))
+                        context_tokens=last.context_tokens if last else 0, free_slots=eng.free_seqs)
 
 
 def slo_admission(config):
@@ -425,7 +425,7 @@ def apply_arms(eng, snap: PolicySnapshot, drafters: tuple[str, ...], follows=lam
         arm = snap.arm_for(seq.request_class)
         if (seq.spec.drafter != arm.drafter or seq.spec.k != arm.k
                 or getattr(seq.spec, "min_confidence", 0.0) != arm.min_confidence):
-            seq.spec = _spec(arm, drafters)
+            eng.set_spec(rid, _spec(arm, drafters))
 
 
 def class_deltas(step_stats: list) -> dict[str, ClassDelta]:

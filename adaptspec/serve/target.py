@@ -67,7 +67,7 @@ class TargetEngine(Ingress):
         if drafter is not None:  # disaggregated placement: the draft model lives in Drafter replicas
             from adaptspec.serve.drafter import RemoteDraftProposer
 
-            engine.proposers["draft"] = RemoteDraftProposer(drafter, self.replica_id, asyncio.get_running_loop())
+            engine.add_proposer("draft", RemoteDraftProposer(drafter, self.replica_id, asyncio.get_running_loop()))
         guards = guard_proposers(engine, inject=cfg.faults)
         return EngineLoop(engine, max_queued=cfg.engine.max_queued, replica_id=self.replica_id,
                           faults_fn=lambda: sum(g.faults for g in guards), stall_timeout_s=cfg.engine.stall_timeout_s)

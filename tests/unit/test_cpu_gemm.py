@@ -143,14 +143,14 @@ def test_bfloat16_packed_computes_in_fp32_on_bf16_weights(tiny_dir, monkeypatch)
     AVX512_BF16) is weight-only bf16: the same logits as an fp32 forward over the
     bf16-rounded weights (fp32 rounding apart), with fp32 activations and KV cache."""
     from adaptspec.models.llama import LlamaModel
+    from tests.conftest import SlotAdapter
     from tests.unit.test_llama_forward import _ours
 
     monkeypatch.setattr(cpu_gemm, "BF16_DOT", False)
     hf, fast = _ours(tiny_dir, "fast", dtype=torch.bfloat16)
     _, packed = _ours(tiny_dir, "packed", dtype=torch.bfloat16)
     rounded = {k: v.bfloat16().float() for k, v in hf.state_dict().items()}
-    ref = LlamaModel(packed.cfg, rounded, torch.float32, "cpu", "reference")
-    ref.allocate_cache(4, 128)
+    ref = SlotAdapter(LlamaModel(packed.cfg, rounded, torch.float32, "cpu", "reference"), 4, 128)
     assert packed.compute_dtype == torch.float32 and packed.k_cache[0].dtype == torch.float32
     ids = torch.randint(0, 16, (1, 10), generator=torch.Generator().manual_seed(1))
     a, _ = fast.forward(ids, [0], [0], [10])
@@ -161,8 +161,7 @@ def test_bfloat16_packed_computes_in_fp32_on_bf16_weights(tiny_dir, monkeypatch)
     # torch's all-bf16 forward lands near it, but further off (its activations are rounded)
     assert (b - r).abs().max() < (a.float() - r).abs().max() < 0.3
     # the comparison can fail: an fp32 forward over the unrounded weights is further off
-    full = LlamaModel(packed.cfg, dict(hf.state_dict()), torch.float32, "cpu", "reference")
-    full.allocate_cache(4, 128)
+    full = SlotAdapter(LlamaModel(packed.cfg, dict(hf.state_dict()), torch.float32, "cpu", "reference"), 4, 128)
     f, _ = full.forward(ids, [0], [0], [10])
     assert (b - f).abs().max() > 1e-4
 
@@ -175,6 +174,7 @@ def test_bfloat16_packed_in_pairs_rounds_only_the_matmul_inputs(tiny_dir):
     rounded to bf16, to a few fp32 roundings (one flips a bf16 rounding now and then); the
     widened layout's forward (fp32 matmul inputs) is much further from it."""
     from adaptspec.models.llama import LlamaModel
+    from tests.conftest import SlotAdapter
     from tests.unit.test_llama_forward import _ours
 
     if not cpu_gemm.bf16_pairs():
@@ -189,8 +189,7 @@ def test_bfloat16_packed_in_pairs_rounds_only_the_matmul_inputs(tiny_dir):
 
     refs = []
     for cls in (RoundedInputs, LlamaModel):
-        refs.append(cls(packed.cfg, rounded, torch.float32, "cpu", "reference"))
-        refs[-1].allocate_cache(4, 128)
+        refs.append(SlotAdapter(cls(packed.cfg, rounded, torch.float32, "cpu", "reference"), 4, 128))
     ids = torch.randint(0, 16, (2, 9), generator=torch.Generator().manual_seed(1))
     for m in (packed, *refs):  # a prefill (the kernel at 2 x 8 rows), then a ragged step
         m.forward(ids[:, :8], [0, 1], [0, 0], [8, 8])
@@ -251,6 +250,7 @@ def test_fp32_decoding_alone_and_verifying_among_candidates_give_bitwise_the_sam
     row by row, so the same tokens fed one step at a time or as one 5-token verification
     (next to another request in the batch) give identical logits; with one row on the BLAS
     they differ in rounding (the negative control)."""
+    from tests.conftest import SlotAdapter
     from tests.unit.test_llama_forward import _ours
 
     ids = torch.randint(0, 16, (1, 15), generator=torch.Generator().manual_seed(4))
@@ -310,6 +310,7 @@ def test_layers_in_one_c_call_equal_the_python_loop_bitwise(tmp_path, monkeypatc
     ragged step over non-contiguous slots and one row; fp32 steps whose products go to the
     BLAS (more than MAX_ROWS_F32 rows, or one row with ONE_ROW_BLAS) stay on the Python loop."""
     from tests.conftest import make_tiny_model
+    from tests.conftest import SlotAdapter
     from tests.unit.test_llama_forward import _ours
 
     if pairs and not cpu_gemm._pairs_built:
@@ -345,6 +346,7 @@ def test_layers_in_one_c_call_equal_the_python_loop_bitwise(tmp_path, monkeypatc
 def test_layers_in_c_only_where_every_layer_fits_the_loop(tiny_dir, monkeypatch):
     """The C loop takes layer 0's sizes and one layout for all layers: a model whose layers
     differ (or ADAPTSPEC_CPU_LAYER_LOOP=python) stays on the Python loop."""
+    from tests.conftest import SlotAdapter
     from tests.unit.test_llama_forward import _ours
 
     _, m = _ours(tiny_dir, "packed")

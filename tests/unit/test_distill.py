@@ -14,6 +14,8 @@ from adaptspec.distill.data import Dataset, Example, generate
 from adaptspec.distill.head import DraftHead, HeadConfig, HeadModel, load_head_state, read_head_config, save_head
 from adaptspec.distill.train import TrainConfig, Trainer
 from adaptspec.models.loader import LoadedHead, load_draft, load_model, load_weights
+from adaptspec.models.batch import FlatBatch
+from tests.conftest import SlotAdapter
 from tests.conftest import make_tiny_model
 
 V = 40
@@ -51,19 +53,25 @@ def test_training_unroll_equals_drafting(target_dir, tmp_path):
                      state["vocab_ids"])
     head.load_exported(state)
     hm = HeadModel(cfg, state, t.model)
-    hm.allocate_cache(1, 64)
-    t.model.allocate_cache(1, 64)
+    hm.allocate_kv(4, 16)
+    target = SlotAdapter(t.model, 1, 64)
     ids = torch.randint(0, V, (1, 12), generator=torch.Generator().manual_seed(1))
-    _, feats = t.model.forward(ids, [0], [0], [12])
+    _, feats = target.forward(ids, [0], [0], [12])
     with torch.no_grad():
         outs = head(feats.clone(), ids, passes=3)
-    lg, _ = hm.forward(feats[:, :11], ids[:, 1:], [0], [0], [11])
+
+    def run(f, toks, start):  # head entries at positions start.. : features f [n, H], next tokens
+        toks = toks[0].tolist()
+        b = FlatBatch.build([toks], [start], [[0, 1, 2, 3]], list(range(len(toks))), 16, "cpu")
+        return hm.forward(f[0], b)
+
+    lg, _ = run(feats[:, :11], ids[:, 1:], 0)
     torch.testing.assert_close(head.logits(outs[0])[0], lg, atol=1e-4, rtol=1e-4)
     j = 7  # pass 3 at entry j: true entries < j-1, then the head's own features twice
-    hm.forward(feats[:, :j - 1], ids[:, 1:j], [0], [0], [j - 1])
-    _, g1 = hm.forward(feats[:, j - 2:j - 1], ids[:, j - 1:j], [0], [j - 2], [1])
-    lg2, g2 = hm.forward(g1, ids[:, j:j + 1], [0], [j - 1], [1])
-    lg3, _ = hm.forward(g2, ids[:, j + 1:j + 2], [0], [j], [1])
+    run(feats[:, :j - 1], ids[:, 1:j], 0)
+    _, g1 = run(feats[:, j - 2:j - 1], ids[:, j - 1:j], j - 2)
+    lg2, g2 = run(g1[None], ids[:, j:j + 1], j - 1)
+    lg3, _ = run(g2[None], ids[:, j + 1:j + 2], j)
     torch.testing.assert_close(head.logits(outs[1])[0, j - 1], lg2[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(head.logits(outs[2])[0, j], lg3[0], atol=1e-4, rtol=1e-4)
 
@@ -198,7 +206,7 @@ def _hf_config(folder: Path):
 
 def test_a_head_whose_feature_intake_raises_costs_drafts_not_requests(target_dir, tmp_path):
     """The service guards every drafter call, the target features a head is handed included:
-    an exception in ``observe_hidden`` means fewer drafts, the exact output, and a counted fault."""
+    an exception in ``observe`` means fewer drafts, the exact output, and a counted fault."""
     from adaptspec.serve.faults import guard_proposers
 
     folder = _random_head(target_dir, tmp_path / "head")
@@ -208,15 +216,15 @@ def test_a_head_whose_feature_intake_raises_costs_drafts_not_requests(target_dir
     want = [o.token_ids for o in eng.generate(prompts, p, SpecConfig("none", 0))]
     head = eng.proposers["draft"]
     calls = {"n": 0}
-    real = head.observe_hidden
+    real = head.observe
 
-    def flaky(seq, position, hidden):
+    def flaky(seqs, starts, counts, features):
         calls["n"] += 1
         if calls["n"] % 3 == 0:
             raise RuntimeError("injected: out of memory while keeping features")
-        real(seq, position, hidden)
+        real(seqs, starts, counts, features)
 
-    head.observe_hidden = flaky
+    head.observe = flaky
     guards = guard_proposers(eng, cooldown_s=0.0)
     got = [o.token_ids for o in eng.generate(prompts, p, SpecConfig("draft", 3))]
     assert got == want and calls["n"] > 3

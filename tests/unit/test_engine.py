@@ -90,8 +90,9 @@ def test_stop_strings_and_abort(engine):
     assert stopped.finish_reason == "stop" and word not in stopped.text and len(stopped.token_ids) < 20
     rid = engine.add_request(PROMPTS[0], SamplingParams(max_new_tokens=50))
     engine.step()
-    free_before = len(engine.scheduler.free_slots)
-    assert engine.abort(rid) and len(engine.scheduler.free_slots) == free_before + 1
+    free_before, blocks_before = engine.free_seqs, engine.pool.num_free
+    assert engine.abort(rid) and engine.free_seqs == free_before + 1
+    assert engine.pool.num_free > blocks_before  # its KV blocks went back
     assert not engine.has_unfinished()
 
 

@@ -1,4 +1,4 @@
-"""Our compact Llama forward against transformers' own, and the slot KV cache."""
+"""Our compact Llama forward against transformers' own, over the paged KV cache."""
 from __future__ import annotations
 
 import pytest
@@ -7,14 +7,13 @@ from transformers import AutoModelForCausalLM
 
 from adaptspec.models.llama import LlamaModel
 from adaptspec.models.loader import load_weights
-from tests.conftest import make_tiny_model
+from tests.conftest import SlotAdapter, make_tiny_model
 
 
 def _ours(folder, matmul, dtype=torch.float32, slots=4, max_len=128):
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     m = LlamaModel.from_hf(hf, dtype=dtype, matmul=matmul)
-    m.allocate_cache(slots, max_len)
-    return hf, m
+    return hf, SlotAdapter(m, slots, max_len)
 
 
 def _prefill_then_ragged(hf, m, vocab, tol):
@@ -25,10 +24,10 @@ def _prefill_then_ragged(hf, m, vocab, tol):
     lg, _ = m.forward(ids[:, :16], [2, 0], [0, 0], [16, 16])  # non-contiguous slots
     assert (lg.view(2, 16, -1) - ref[:, :16]).abs().max() <= tol
     # a ragged continuation: row 0 adds 8 tokens, row 1 only 5 (3 padding columns)
-    lg2, hidden = m.forward(ids[:, 16:24], [2, 0], [16, 16], [8, 5])
-    lg2 = lg2.view(2, 8, -1)
-    assert (lg2[0] - ref[0, 16:24]).abs().max() <= tol
-    assert (lg2[1, :5] - ref[1, 16:21]).abs().max() <= tol
+    lg2, hidden = m.forward(ids[:, 16:24], [2, 0], [16, 16], [8, 5])  # logits of the 13 real tokens
+    assert lg2.shape[0] == 13
+    assert (lg2[:8] - ref[0, 16:24]).abs().max() <= tol
+    assert (lg2[8:] - ref[1, 16:21]).abs().max() <= tol
     assert hidden.shape == (2, 8, m.cfg.hidden_size)
     assert (hidden[1, 5:] == 0).all()  # padding positions carry no features
 
@@ -39,8 +38,8 @@ def test_padding_never_reaches_the_matmuls(tiny_dir):
     rows run one at a time."""
     _, m = _ours(tiny_dir, "fast")
     seen = []
-    mm = m._mm
-    m._mm = lambda x, w, b=None: (seen.append(x.shape[0]), mm(x, w, b))[1]
+    mm = m.model._mm
+    m.model._mm = lambda x, w, b=None: (seen.append(x.shape[0]), mm(x, w, b))[1]
     torch.manual_seed(1)
     ids = torch.randint(0, m.cfg.vocab_size, (3, 12))
     m.forward(ids[:, :7], [0, 1, 2], [0, 0, 0], [7, 7, 7])
@@ -86,16 +85,14 @@ def test_smollm2_logits_match_transformers(smollm_dir):
 
     cfg = LlamaConfig.from_hf(AutoConfig.from_pretrained(smollm_dir))
     assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.tie_word_embeddings) == (30, 9, 3, True)
-    m = LlamaModel(cfg, load_weights(smollm_dir), torch.float32, "cpu", "reference")
-    m.allocate_cache(4, 64)
+    m = SlotAdapter(LlamaModel(cfg, load_weights(smollm_dir), torch.float32, "cpu", "reference"), 4, 64)
     _prefill_then_ragged(hf, m, cfg.vocab_size, 1e-4)
 
 
 def test_smollm2_fast_layout_close(smollm_dir):
     """The transposed-weight layout only changes fp32 rounding (about 1e-3 on logits of ~20)."""
     hf = AutoModelForCausalLM.from_pretrained(smollm_dir, dtype=torch.float32).eval()
-    m = LlamaModel.from_hf(hf, matmul="fast")
-    m.allocate_cache(2, 64)
+    m = SlotAdapter(LlamaModel.from_hf(hf, matmul="fast"), 2, 64)
     ids = torch.randint(0, 49152, (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         ref = hf(ids).logits[0]
@@ -110,40 +107,40 @@ def test_bfloat16_runs_and_agrees_roughly(tiny_dir):
     with torch.no_grad():
         ref = hf(ids).logits[0]
     lg, _ = m.forward(ids, [0], [0], [10])
-    assert lg.dtype == torch.bfloat16
+    assert lg.dtype == m.model.compute_dtype
     assert (lg.float() - ref).abs().max() < 0.25
 
 
-def test_context_past_cache_is_refused(tiny_dir):
-    _, m = _ours(tiny_dir, "fast", max_len=8)
-    with pytest.raises(ValueError, match="KV cache length"):
-        m.forward(torch.zeros(1, 9, dtype=torch.long), [0], [0], [9])
+def test_context_past_the_positions_is_refused(tmp_path):
+    folder = make_tiny_model(tmp_path, vocab=16, seed=2)
+    _, m = _ours(folder, "fast", max_len=600)
+    with pytest.raises(ValueError, match="exceeds the model's 512 positions"):
+        m.forward(torch.zeros(1, 513, dtype=torch.long), [0], [0], [513])
 
 
 @pytest.mark.parametrize("hidden", [32, 256, 512])  # head_dim 8 (the generic C loops), 64, 128
 @pytest.mark.parametrize("dtype,matmul", [(torch.float32, "fast"), (torch.bfloat16, "packed")])
 def test_fused_cpu_layer_ops_match_the_torch_ops(tmp_path, monkeypatch, hidden, dtype, matmul):
-    """Decoding and verification (rows of up to FUSED_MAX_TOKENS tokens) run the layer's
-    norms, rotary embedding, cache write, attention and SwiGLU in C; the same forward on torch
-    ops gives the same logits, hidden states and KV cache to fp32 rounding: a prefill on
-    torch, then ragged steps over non-contiguous slots with contexts that cross the C code's
-    16-key blocks. (bf16 weights in the widened layout: the pair layout rounds each matmul's
+    """On the CPU the layer's norms, rotary embedding, paged-cache write, attention and SwiGLU
+    run in C; the same forward on torch ops (the reference attention backend) gives the same
+    logits, hidden states and KV cache to fp32 rounding: a prefill, then ragged steps over
+    shuffled blocks with contexts that cross KV blocks and the C code's 8-key runs. (bf16 weights in the widened layout: the pair layout rounds each matmul's
     input to bf16, which turns an fp32 rounding into a bf16 one now and then; its own test is
     in test_cpu_gemm.py.)"""
     from adaptspec.models import cpu_gemm
-    from adaptspec.models.llama import FUSED_MAX_TOKENS
 
+    FUSED_MAX_TOKENS = 32
     if not cpu_gemm.enabled():
         pytest.skip(f"CPU kernels unavailable: {cpu_gemm.status()}")
     monkeypatch.setattr(cpu_gemm, "BF16_DOT", False)
     folder = make_tiny_model(tmp_path, vocab=64, seed=7, hidden=hidden, model_type="qwen2" if hidden == 256 else "llama")
     _, fused = _ours(folder, matmul, dtype)
     _, plain = _ours(folder, matmul, dtype)
-    assert fused.fused
-    plain.fused = False
+    assert fused.model.fused
+    plain.model.fused = False
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 64, (3, FUSED_MAX_TOKENS + 5), generator=g)
-    for m in (fused, plain):  # a prefill longer than FUSED_MAX_TOKENS: torch ops in both
+    for m in (fused, plain):  # a prefill
         m.forward(prompt, [3, 0, 1], [0, 0, 0], [prompt.shape[1]] * 3)
     lens = [prompt.shape[1]] * 3
     for step, ntok in enumerate(([1, 1, 1], [5, 1, 3], [2, 9, 1], [FUSED_MAX_TOKENS, 4, 1])):
@@ -151,7 +148,7 @@ def test_fused_cpu_layer_ops_match_the_torch_ops(tmp_path, monkeypatch, hidden, 
         (lf, hf_), (lp, hp) = (m.forward(ids, [3, 0, 1], lens, ntok) for m in (fused, plain))
         assert _rel_err(lf, lp) <= 5e-5 and _rel_err(hf_, hp) <= 5e-5, step
         lens = [n + t - (step % 2) for n, t in zip(lens, ntok)]  # odd steps roll a token back
-    for kf, kp in zip(fused.k_cache + fused.v_cache, plain.k_cache + plain.v_cache):
+    for kf, kp in zip(fused.model.k_cache + fused.model.v_cache, plain.model.k_cache + plain.model.v_cache):
         assert _rel_err(kf, kp) <= 5e-5
     # the comparison can fail: attending one key short (a wrong cache length) is caught
     ids = torch.randint(0, 64, (3, 2), generator=g)

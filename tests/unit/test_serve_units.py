@@ -77,10 +77,10 @@ def test_engine_loop_streams_exact_tokens_and_refuses_a_full_queue(engines):
         c1, refused = asyncio.run(two())
         assert c1.token_ids and refused[0].error.code == "RESOURCE_EXHAUSTED"
         for _ in range(100):
-            if not loop_.engine.requests and len(loop_.engine.scheduler.free_slots) == 1:
+            if not loop_.engine.requests and loop_.engine.free_seqs == 1:
                 break
             asyncio.run(asyncio.sleep(0.02))
-        assert not loop_.engine.requests and len(loop_.engine.scheduler.free_slots) == 1
+        assert not loop_.engine.requests and loop_.engine.free_seqs == 1
         bad = _collect(loop_, _req("d", [1, 99]))
         assert bad[0].error.code == "INVALID_ARGUMENT" and "prompt_token_ids" in bad[0].error.message
     finally:

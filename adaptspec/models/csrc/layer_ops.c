@@ -264,10 +264,10 @@ static float softmax_unnormalized(float* sc, int L) {
  * and the cache write.
  *
  * Sequence b has tokens row_start[b] .. row_start[b + 1] - 1 of the flat token rows, at
- * positions cache_lens[b] + j, in KV slot slots[b]. qkv[N, ld_qkv] holds each token's
- * q (H heads), k and v (Hkv heads each) of head_dim D. Rotates q and k in place, writes k and
- * v into the caches ([slot][kv head][position][D], strides in floats), then each query
- * attends causally to its slot's keys 0 .. its own position (grouped-query: head h reads kv
+ * positions cache_lens[b] + j, in the blocks of its block table. qkv[N, ld_qkv] holds each
+ * token's q (H heads), k and v (Hkv heads each) of head_dim D. Rotates q and k in place, writes
+ * k and v into the paged caches ([block][kv head][offset][D], strides in floats), then each
+ * query attends causally to its sequence's keys 0 .. its own position (grouped-query: head h reads kv
  * head h / (H / Hkv)). out[N, H * D]. cos_t / sin_t: [max_position, D] tables. max_ctx: the
  * longest context (for the score buffers).
  *
@@ -278,9 +278,17 @@ static float softmax_unnormalized(float* sc, int L) {
  * query's keys go through the same code in the same order (VL-key blocks up to its own
  * length, then one by one), so its result does not depend on the batch.
  */
-void adaptspec_attention(int B, const int* row_start, const int* slots, const int* cache_lens, float* qkv,
+/* The paged cache: a layer's keys (and values) are [num_blocks, Hkv, BS, D]; sequence b's
+ * position s lives in block block_tables[b * max_blocks + s / BS] at offset s % BS. BS is a
+ * multiple of VL, so a VL-key run that starts at a multiple of VL never leaves its block. */
+static inline int64_t kv_at(const int* bt, int s, int bs, int64_t block_stride, int D) {
+    return (int64_t)bt[s / bs] * block_stride + (int64_t)(s % bs) * D;
+}
+
+void adaptspec_attention(int B, const int* row_start, const int* block_tables, int max_blocks, int bs,
+                         const int* cache_lens, float* qkv,
                          int ld_qkv, const float* cos_t, const float* sin_t, float* kcache, float* vcache,
-                         int64_t slot_stride, int64_t head_stride, int H, int Hkv, int D, float scale,
+                         int64_t block_stride, int64_t head_stride, int H, int Hkv, int D, float scale,
                          float* out, int max_ctx, int nthreads) {
     int total_q = 0;
     for (int b = 0; b < B; b++) {
@@ -295,7 +303,8 @@ void adaptspec_attention(int B, const int* row_start, const int* slots, const in
             for (int h = 0; h < H; h++) rope(q + (int64_t)h * D, cs, sn, D);
             for (int h = 0; h < Hkv; h++) {
                 rope(k + (int64_t)h * D, cs, sn, D);
-                int64_t at = (int64_t)slots[b] * slot_stride + (int64_t)h * head_stride + (int64_t)pos * D;
+                int64_t at = kv_at(block_tables + (int64_t)b * max_blocks, pos, bs, block_stride, D)
+                             + (int64_t)h * head_stride;
                 memcpy(kcache + at, k + (int64_t)h * D, sizeof(float) * D);
                 memcpy(vcache + at, v + (int64_t)h * D, sizeof(float) * D);
             }
@@ -324,9 +333,9 @@ void adaptspec_attention(int B, const int* row_start, const int* slots, const in
             const int b = task[3 * ti], kh = task[3 * ti + 1], q0 = task[3 * ti + 2];
             const int nt = row_start[b + 1] - row_start[b];
             const int nq = group * nt - q0 < qc ? group * nt - q0 : qc;
-            const int64_t base = (int64_t)slots[b] * slot_stride + (int64_t)kh * head_stride;
-            const float* K = kcache + base;
-            const float* V = vcache + base;
+            const int* bt = block_tables + (int64_t)b * max_blocks;
+            const float* K = kcache + (int64_t)kh * head_stride;  /* + kv_at(bt, s, ...) for key s */
+            const float* V = vcache + (int64_t)kh * head_stride;
             int Lq[QCHUNK], Lmax = 0;
             const float* qp[QCHUNK];
             float* op[QCHUNK];
@@ -342,17 +351,18 @@ void adaptspec_attention(int B, const int* row_start, const int* slots, const in
             for (int s0 = 0; blocked && s0 + VL <= Lmax; s0 += VL)
                 for (int i = 0; i < nq; i++)
                     if (s0 + VL <= Lq[i])
-                        vstore(sc + (int64_t)i * stride + s0, block_scores(qp[i], K + (int64_t)s0 * D, D) * scale);
+                        vstore(sc + (int64_t)i * stride + s0,
+                               block_scores(qp[i], K + kv_at(bt, s0, bs, block_stride, D), D) * scale);
             for (int i = 0; i < nq; i++) {
                 float* si = sc + (int64_t)i * stride;
-                for (int s = blocked ? Lq[i] & ~(VL - 1) : 0; s < Lq[i]; s++) si[s] = dot(qp[i], K + (int64_t)s * D, D) * scale;
+                for (int s = blocked ? Lq[i] & ~(VL - 1) : 0; s < Lq[i]; s++) si[s] = dot(qp[i], K + kv_at(bt, s, bs, block_stride, D), D) * scale;
                 inv[i] = softmax_unnormalized(si, Lq[i]);
                 memset(op[i], 0, sizeof(float) * D);
             }
             for (int s0 = 0; s0 < Lmax; s0 += VL)
                 for (int i = 0; i < nq; i++)
                     if (s0 < Lq[i])
-                        block_weighted(sc + (int64_t)i * stride + s0, V + (int64_t)s0 * D,
+                        block_weighted(sc + (int64_t)i * stride + s0, V + kv_at(bt, s0, bs, block_stride, D),
                                        Lq[i] - s0 < VL ? Lq[i] - s0 : VL, D, op[i]);
             for (int i = 0; i < nq; i++)
                 for (int d = 0; d < D; d++) op[i][d] *= inv[i];
@@ -386,9 +396,10 @@ void adaptspec_layers(int L, int N, int Hd, int Wqkv, int I, float* h, float eps
                       const float* const* ln1, const void* const* wqkv, const float* const* bias,
                       const void* const* wo, const float* const* ln2, const void* const* wgu,
                       const void* const* wdown, int layout, const float* norm_w, float* out,
-                      int B, const int* row_start, const int* slots, const int* cache_lens,
+                      int B, const int* row_start, const int* block_tables, int max_blocks, int bs,
+                      const int* cache_lens,
                       const float* cos_t, const float* sin_t, float* const* kcache, float* const* vcache,
-                      int64_t slot_stride, int64_t head_stride, int H, int Hkv, int D, float scale,
+                      int64_t block_stride, int64_t head_stride, int H, int Hkv, int D, float scale,
                       int max_ctx, float* x, float* qkv, float* a, float* o, float* gu, float* s,
                       float* delta, int nthreads) {
     const int HD = H * D;
@@ -398,8 +409,8 @@ void adaptspec_layers(int L, int N, int Hd, int Wqkv, int I, float* h, float eps
         if (bias && bias[l])
             for (int n = 0; n < N; n++)
                 for (int j = 0; j < Wqkv; j++) qkv[(int64_t)n * Wqkv + j] += bias[l][j];
-        adaptspec_attention(B, row_start, slots, cache_lens, qkv, Wqkv, cos_t, sin_t, kcache[l], vcache[l],
-                            slot_stride, head_stride, H, Hkv, D, scale, a, max_ctx, nthreads);
+        adaptspec_attention(B, row_start, block_tables, max_blocks, bs, cache_lens, qkv, Wqkv, cos_t, sin_t,
+                            kcache[l], vcache[l], block_stride, head_stride, H, Hkv, D, scale, a, max_ctx, nthreads);
         adaptspec_small_gemm(N, HD, Hd, a, HD, wo[l], layout, o, Hd, nthreads);
         adaptspec_add_rms_norm(N, Hd, h, o, ln2[l], eps, x);
         adaptspec_small_gemm(N, Hd, 2 * I, x, Hd, wgu[l], layout, gu, 2 * I, nthreads);
