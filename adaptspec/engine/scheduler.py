@@ -51,6 +51,7 @@ class Scheduler:
         self.on_admit = on_admit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # in admission order: preemption takes the youngest
+        self.num_preempted = 0
 
     @property
     def free_seqs(self) -> int:
@@ -122,6 +123,7 @@ class Scheduler:
         return min(n, room)
 
     def _preempt(self, s: Sequence, out: SchedulerOutput) -> None:
+        self.num_preempted += 1
         self.running.remove(s)
         self.kv.free(s)
         s.status = Status.WAITING

@@ -60,6 +60,16 @@ class EngineOptions(_Strict):
                                                        "with max_num_seqs x max_model_len)")
     max_queued: int = Field(64, ge=0, description="requests waiting for a KV slot per replica before "
                                                   "RESOURCE_EXHAUSTED")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=1, description="tokens one engine step runs through the target: decode and verification rows "
+                                "first, prompt chunks fill the rest (bounds how long a new prompt can hold running "
+                                "requests); null: max(256, 4 x max_num_seqs)")
+    block_size: int = Field(16, ge=8, multiple_of=8, description="positions per paged-KV block")
+    enable_prefix_caching: bool = Field(True, description="reuse the KV of full prompt blocks shared with earlier "
+                                                          "requests (a common system prompt is computed once)")
+    kv_cache_memory: float | None = Field(
+        None, gt=0, description="KV pool size per replica: bytes (> 1) or a fraction of free GPU memory (<= 1); "
+                                "null: room for max_num_seqs requests of max_model_len")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; null: num_cpus of the replica")
     stall_timeout_s: float = Field(300.0, gt=0, description="an engine step (or a drafter call inside it) that has "
                                    "not returned after this long while requests wait: the engine counts as gone "

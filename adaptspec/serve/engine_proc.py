@@ -55,7 +55,11 @@ def build_engine(cfg: ServiceConfig, *, target: str | None = None, torch_threads
     draft = cfg.models.draft if cfg.placement == "colocated" and not target else None
     return Engine.from_pretrained(target or cfg.models.target, draft=draft, dtype=cfg.models.dtype,
                                   device=cfg.models.device, max_num_seqs=cfg.engine.max_num_seqs,
-                                  max_model_len=cfg.engine.max_model_len)
+                                  max_model_len=cfg.engine.max_model_len,
+                                  max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
+                                  block_size=cfg.engine.block_size,
+                                  enable_prefix_caching=cfg.engine.enable_prefix_caching,
+                                  kv_cache_memory=cfg.engine.kv_cache_memory)
 
 
 def warn_slow_bf16(cfg: ServiceConfig) -> None:
