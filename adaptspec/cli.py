@@ -23,6 +23,7 @@ def _register_all() -> None:
     from adaptspec.serve.cli import register as register_serve
     from adaptspec.distill.cli import register as register_distill
     from adaptspec.sim.fidelity_cli import register as register_fidelity
+    from adaptspec.tools.engine_ab import register as register_ab
 
     register_models(app)
     register_engine(app)
@@ -30,6 +31,7 @@ def _register_all() -> None:
     register_serve(app)
     register_distill(app)
     register_fidelity(app)
+    register_ab(app)
 
 
 _register_all()

@@ -1,0 +1,1 @@
+"""Tooling around the core packages: benchmarks, load tests, demos, calibration."""
