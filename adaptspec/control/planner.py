@@ -141,6 +141,7 @@ class BatchPicture:
     half_life_s: float = DEMAND_HALF_LIFE_S
     busy_s: float = 0.0  # discounted seconds of steps
     prefill_tokens: float = 0.0  # discounted prompt tokens processed inside steps
+    prefill_chunks: float = 0.0  # discounted prompt chunks those tokens came in
     prefill_s: float = 0.0  # discounted seconds of separate prefill passes (the live engine's)
     context: float = 0.0  # discounted context tokens read by decoding requests
     request_steps: float = 0.0  # discounted decoding requests per step, summed
@@ -155,6 +156,7 @@ class BatchPicture:
         g = 0.5 ** (step.wall_s / self.half_life_s) if self.half_life_s > 0 else 0.0
         self.busy_s = g * self.busy_s + step.wall_s
         self.prefill_tokens = g * self.prefill_tokens + step.num_prefill
+        self.prefill_chunks = g * self.prefill_chunks + step.prefill_chunks
         self.prefill_s = g * self.prefill_s + step.prefill_s
         n_dec = 0
         for slot in self.classes.values():
@@ -193,6 +195,16 @@ class BatchPicture:
         """Tokens per second of steps the class was served (its demand while nothing queues)."""
         slot = self.classes.get(request_class)
         return slot.tokens / self.busy_s if slot is not None and self.busy_s > 0 else 0.0
+
+    @property
+    def chunk_rate(self) -> float:
+        """Prompt chunks processed inside steps per second of steps."""
+        return self.prefill_chunks / self.busy_s if self.busy_s > 0 else 0.0
+
+    @property
+    def chunk_tokens(self) -> float:
+        """Mean prompt tokens of a chunk."""
+        return self.prefill_tokens / self.prefill_chunks if self.prefill_chunks > 0 else 0.0
 
     @property
     def prefill_rate(self) -> float:
@@ -237,6 +249,8 @@ class PlanInputs:
     in_system: float = 0.0  # decoding requests seen per step under the plan in force (0: unknown)
     batch: np.ndarray | None = None  # [C] decoding requests of each class seen per step (None: unknown)
     prefill_per_step: float = 0.0  # prompt tokens a step carries, as seen
+    chunk_rate: float = 0.0  # prompt chunks per second inside steps (0: prompt tokens spread evenly)
+    chunk_tokens: float = 0.0  # mean tokens of a chunk
 
 
 @dataclass(slots=True)
@@ -294,17 +308,28 @@ class Planner:
     def _pick(self, s: PlanScore, demand: np.ndarray, backlog: bool, scale: float = 1.0) -> int:
         """The best row; row 0 (the plan in force) wins ties.
 
-        First the credit: each class's demand times the load (up to ``headroom``; unbounded
-        while requests queue) at which the assignment still serves it within its targets.
+        First the credit: each class's demand times the load it is served at within its TPOT
+        target (today's demand, with capacity up to ``headroom`` more counted as reserve; while
+        requests queue, the assignment's capacity, since the replica then runs at it), falling
+        as the fourth power of the shortfall for a class whose TPOT target fails there.
         Among assignments within ``TOLERANCE`` of the best credit (under light load, all that
         keep the targets), the most tokens per second from the batch as it is now: where load
         is light, demand does not depend on the arms if arrivals are open (all serve it) and
         throughput is what a closed loop of clients gets, so the step's goodput decides (the
         steady state's latency would favour a class that is fast already over one that
         speculation speeds up). ``scale``: see ``calibration``."""
-        goal = np.inf if backlog else self.headroom * scale
         w = np.maximum(demand, 1e-3 * max(float(demand.sum()), 1.0))
-        credit = (np.minimum(s.class_capacity, goal) * w[None, :]).sum(axis=1)
+        cc = s.class_capacity / scale  # [R, C]
+        if backlog:  # the replica runs at its capacity: each class's share of it, if its TPOT holds there
+            op = (s.capacity / scale)[:, None]
+            served = np.broadcast_to(op, cc.shape)
+        else:  # at today's demand (1), with up to ``headroom`` more in reserve
+            op = 1.0
+            served = np.minimum(cc, self.headroom)
+        # a class whose TPOT target fails at the operating load misses it for most of its
+        # requests, not for the share of load above its limit: credit falls steeply
+        held = np.minimum(cc / np.maximum(op, 1e-9), 1.0) ** 4
+        credit = (w[None, :] * served * held).sum(axis=1)
         top = float(credit.max())
         near = credit >= top * (1.0 - TOLERANCE)
         g = np.where(near, s.goodput, -np.inf)
@@ -343,7 +368,13 @@ class Planner:
         w = np.maximum(x.demand, 1e-3 * max(float(x.demand.sum()), 1.0))  # [C] a class without traffic yet: a trickle
         a = w[None, :] / Lx  # [R, C] requests per second of u
         per_u_req = a.sum(axis=1)  # [R]
-        per_u_tok = x.prefill_rate + (a * Vx).sum(axis=1)
+        # prompt tokens come in chunks, a prompt's (or a budget's worth of it) in one step:
+        # the verify curve is flat, then steep, so a step with a chunk costs more than the
+        # chunk's share of an average step (at 10 req/s on an H200 70B, the average step's
+        # composition prices a step at 22 ms where steps average 36). With chunks counted,
+        # decode steps carry decode tokens only and every chunk adds its own extra time
+        chunked = x.chunk_rate > 0 and x.chunk_tokens > 0
+        per_u_tok = (0.0 if chunked else x.prefill_rate) + (a * Vx).sum(axis=1)
         per_u_draft = (a[:, :, None] * reach).sum(axis=1)  # [R, K]
         per_u_ngram = (a * ng).sum(axis=1)
         ctx = x.context_per_request
@@ -354,16 +385,26 @@ class Planner:
         n = per_u_req[:, None] * u[None, :]  # [R, U]
         V = per_u_tok[:, None] * u[None, :]
         D = per_u_draft[:, None, :] * u[None, :, None]
-        T = np.asarray(cost.step_time(V, ctx * n, D, per_u_ngram[:, None] * u[None, :], ctx), dtype=float)
+        G = per_u_ngram[:, None] * u[None, :]
+        T = np.asarray(cost.step_time(V, ctx * n, D, G, ctx), dtype=float)
+        if chunked:  # each chunk's extra time, x.chunk_rate per unit of theta: T += theta rate c = u rate c
+            chunk = np.minimum(x.chunk_tokens, max(float(self.max_batched_tokens or np.inf), 1.0))
+            extra = np.asarray(cost.step_time(V + chunk, ctx * n, D, G, ctx), dtype=float) - T
+            T = T + u[None, :] * x.chunk_rate * (x.prefill_rate / (x.chunk_rate * chunk)) * extra
+            V = V + chunk  # the budget must hold a step with a chunk
         if share > 0:
             T = T / (1.0 - share)
         theta = u[None, :] / T
         # the batch as it is now (each class's requests seen per step) under each row's arms
         nb = x.batch if x.batch is not None and x.batch.sum() > 0 else w / w.sum() * max(x.in_system, 1.0)
         nb = np.maximum(nb, 1e-3)[None, :]
-        T_now = np.asarray(cost.step_time(x.prefill_per_step + (nb * Vx).sum(axis=1), ctx * nb.sum(axis=1),
-                                          (nb[:, :, None] * reach).sum(axis=1), (nb * ng).sum(axis=1), ctx),
-                           dtype=float)
+        V_now = (nb * Vx).sum(axis=1) + (0.0 if chunked else x.prefill_per_step)
+        now = (ctx * nb.sum(axis=1), (nb[:, :, None] * reach).sum(axis=1), (nb * ng).sum(axis=1), ctx)
+        T_now = np.asarray(cost.step_time(V_now, *now), dtype=float)
+        if chunked:  # time share of the chunks, at the rate seen: T_dec / (1 - rate c)
+            chunk = np.minimum(x.chunk_tokens, max(float(self.max_batched_tokens or np.inf), 1.0))
+            busy = x.prefill_rate / chunk * (np.asarray(cost.step_time(V_now + chunk, *now), dtype=float) - T_now)
+            T_now = T_now / np.maximum(1.0 - busy, 0.05)
         if share > 0:
             T_now = T_now / (1.0 - share)
         goodput = (nb * Lx).sum(axis=1) / T_now

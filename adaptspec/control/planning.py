@@ -106,7 +106,8 @@ class PlanningPolicy(Policy):
                        np.array([self.picture.demand(c) for c in classes]), self.picture.prefill_rate,
                        self.picture.prefill_share, self.picture.context_per_request, backlog,
                        self.picture.in_system if all(c in self.plan for c in classes) else 0.0,
-                       np.array([self.picture.batch(c) for c in classes]), self.picture.prefill_per_step)
+                       np.array([self.picture.batch(c) for c in classes]), self.picture.prefill_per_step,
+                       self.picture.chunk_rate, self.picture.chunk_tokens)
         current = np.array([self.table.index(self.plan.get(c, self.picture.classes[c].arm
                                                            if c in self.picture.classes else self.table.arms[0]))
                             for c in classes])

@@ -178,6 +178,7 @@ class StepOutcome:
     # the decode part (wall_s - prefill_s) and count prefill only against latency targets.
     # 0 where prefill shares the verification pass (the simulator: num_prefill tokens)
     prefill_s: float = 0.0
+    prefill_chunks: int = 0  # prompts whose tokens (all, or a budget's worth) num_prefill holds
 
     @classmethod
     def from_requests(

@@ -341,7 +341,7 @@ class Replica:
         if self.admission is not None:
             self.admission.observe(t.wall_s, prefill_tokens, bool(self.queue) or bool(self.prefilling))
         self.policy.observe(StepOutcome(n_active, prefill_tokens, verify_tokens, context, t.draft_s, t.verify_s,
-                                        t.other_s, t.wall_s, outcome_groups, len(self.queue)))
+                                        t.other_s, t.wall_s, outcome_groups, len(self.queue), 0.0, len(chunks)))
         self.busy_until = end
 
     def _backlog_chunk(self) -> int:

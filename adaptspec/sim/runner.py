@@ -163,7 +163,7 @@ def admission_for(spec: PolicySpec, sc: Scenario) -> SloAdmission | None:
     if not on:
         return None
     ttft = {c.name: (c.slo or sc.slo).ttft_s for c in sc.classes if (c.slo or sc.slo).ttft_s is not None}
-    return SloAdmission(ttft, sc.admission.slack if sc.admission is not None else 1.0)
+    return SloAdmission(ttft, sc.admission.slack) if sc.admission is not None else SloAdmission(ttft)
 
 
 def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost: ProfileCostModel,
@@ -171,13 +171,15 @@ def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost:
     """``clock`` holds the current simulated time (the oracle reads shifted truths by it)."""
     targets = scenario_targets(sc)
     prof = cost.profile
-    cfg = PolicyConfig(tuple(sc.drafters), sc.max_k, targets, seed, tuple(sc.thresholds), prof.max_num_seqs,
-                       prof.max_batched_tokens)
+    own = getattr(spec, "thresholds", None)
+    cfg = PolicyConfig(tuple(sc.drafters), sc.max_k, targets, seed, tuple(sc.thresholds if own is None else own),
+                       prof.max_num_seqs, prof.max_batched_tokens)
     if isinstance(spec, ThompsonSpec):
         p = ModelBasedThompson(cfg, ThompsonConfig(
             discount=spec.discount, cost_discount=spec.cost_discount, margin=spec.margin, spread_z=spec.spread_z,
             short_tokens=spec.short_tokens, fade_half_life_s=spec.fade_half_life_s, headroom=spec.headroom,
-            replan_s=spec.replan_s, demand_half_life_s=spec.demand_half_life_s),
+            replan_s=spec.replan_s, replan_steps=spec.replan_steps, demand_half_life_s=spec.demand_half_life_s,
+            explore=spec.explore),
             prior_cost=cost if spec.seed_cost_from_profile else None)
     elif isinstance(spec, UCBSpec):
         p = DiscountedUCB(cfg, UCBConfig(spec.mode, spec.discount, spec.window, spec.exploration))

@@ -262,7 +262,11 @@ class ThompsonSpec(_PolicyBase):
     seed_cost_from_profile: bool = Field(False, description="seed the cost model with the hardware profile")
     headroom: float = Field(1.25, ge=1, description="capacity the plan seeks beyond the demand seen")
     replan_s: float = Field(0.5, gt=0, description="seconds of steps between plans (one posterior draw each)")
+    replan_steps: int = Field(16, ge=1, description="... or this many steps, whichever comes first")
     demand_half_life_s: float = Field(4.0, gt=0, description="seconds of steps over which demand estimates forget")
+    explore: float = Field(0.05, ge=0, lt=1, description="share of steps that move every class one k up or down")
+    thresholds: list[float] | None = Field(None, description="draft-confidence thresholds it may set (null: the "
+                                                             "scenario's `thresholds`; []: none)")
 
 
 class UCBSpec(_PolicyBase):
@@ -322,6 +326,8 @@ class OraclePlannerSpec(_PolicyBase):
     short_tokens: float = Field(64.0, gt=0, description="output tokens of the short request spread_z is taken for")
     headroom: float = Field(1.25, ge=1, description="capacity the plan seeks beyond the demand seen")
     replan_s: float = Field(0.5, gt=0, description="seconds of steps between plans")
+    thresholds: list[float] | None = Field(None, description="draft-confidence thresholds it may set (null: the "
+                                                             "scenario's `thresholds`; []: none)")
 
 
 class OracleSpec(OraclePlannerSpec):
@@ -360,7 +366,8 @@ def policy_label(spec: PolicySpec) -> str:
 
 
 class AdmissionSpec(_Strict):
-    slack: float = Field(1.0, gt=0, description="admit while the predicted TTFT is within slack x the class's TTFT target")
+    slack: float = Field(0.8, gt=0, description="admit while the predicted TTFT is within slack x the class's TTFT target "
+                                                "(the prediction is a mean: below 1 keeps the requests at the edge in it)")
     default: bool = Field(True, description="for policies that do not say (`admission:` on a policy overrides it)")
 
 
@@ -430,6 +437,9 @@ def _check_policy(p, i: int, sc: "Scenario") -> None:
     """Arms a policy may run must exist in the scenario: a k above max_k, or a drafter it
     does not deploy, is an error naming the key (not an arm run at a k it is not charged for)."""
     where = f"policies.{i}"
+    for t in getattr(p, "thresholds", None) or ():
+        if not 0 < t < 1 or abs(t * 10 - round(t * 10)) > 1e-9:
+            raise ValueError(f"{where}.thresholds: {t} is not a multiple of 0.1 within (0, 1)")
     if isinstance(p, StaticSpec):
         _check_arm(p.drafter, p.k, sc, where)
     elif isinstance(p, PerClassStaticSpec):
