@@ -191,8 +191,8 @@ class AdmissionOptions(_Strict):
 
     enabled: bool = Field(False, description="refuse requests that cannot meet their class's TTFT target "
                                              "(RESOURCE_EXHAUSTED at once; a client can retry elsewhere)")
-    slack: float = Field(1.0, gt=0, description="admit while the predicted TTFT is within slack x the class's "
-                                                "ttft_s")
+    slack: float = Field(0.8, gt=0, description="admit while the predicted TTFT is within slack x the class's "
+                                                "ttft_s (the prediction is a mean: below 1 leaves room for the spread)")
 
 
 class FaultInjection(_Strict):
