@@ -317,6 +317,9 @@ def loadtest(
                                                                 "controller of --config in this process, driven as "
                                                                 "a replica drives them; also prints the controller's "
                                                                 "predicted step times against the measured ones"),
+    prompt_tokens: Optional[str] = typer.Option(None, help="LO-HI: put a context of about uniform(LO, HI) tokens "
+                                                          "before each prompt (long prompts arriving among "
+                                                          "running requests; e.g. 100-1500)"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write results to this JSON file"),
 ) -> None:
     """Closed-loop load on loopback gRPC: TTFT, TPOT, E2E p50/p99, throughput, goodput, arms."""
@@ -326,7 +329,8 @@ def loadtest(
     from adaptspec.serve.loadtest import LoadSpec, Probes, as_json, run_level, top_arm
 
     console = _console()
-    spec = LoadSpec([c for c in classes.split(",") if c], max_tokens, slo_ttft, slo_tpot)
+    spec = LoadSpec([c for c in classes.split(",") if c], max_tokens, slo_ttft, slo_tpot,
+                    prompt_tokens=_span(prompt_tokens, "--prompt-tokens"))
     levels = load_levels(concurrency, rate, arrival, burstiness, think_time, think, arrival_seed)
     results = []
     over = probed = bg = None
@@ -387,12 +391,13 @@ def loadtest(
         return
     t = Table(title="loadtest")
     for col in ("policy", "conc.", "req", "err", "tok/s", "goodput req/s", "TTFT p50/p99", "TPOT p50/p99",
-                "E2E p50/p99", "arms (top per class)"):
+                "E2E p50/p99", "gap p99/max", "arms (top per class)"):
         t.add_column(col)
     for s in results:
         t.add_row(s.policy, s.level, str(s.requests), str(s.errors), f"{s.throughput_tokens_per_s:.1f}",
                   f"{s.goodput_requests_per_s:.2f}", f"{s.ttft_p50_s:.2f}/{s.ttft_p99_s:.2f}",
                   f"{s.tpot_p50_s * 1e3:.0f}/{s.tpot_p99_s * 1e3:.0f} ms", f"{s.e2e_p50_s:.2f}/{s.e2e_p99_s:.2f}",
+                  f"{s.gap_p99_s * 1e3:.0f}/{s.gap_max_s * 1e3:.0f} ms",
                   ", ".join(f"{k}:{top_arm(v)}" for k, v in s.arms.items()))
     console.print(t)
     for line in adaptive_vs_static(results):
@@ -432,6 +437,18 @@ def load_levels(concurrency: str, rate: str, arrival: str = "poisson", burstines
     if not think_time:
         return counts
     return [Arrivals(clients=n, think_s=think_time, think=think, seed=seed) for n in counts]
+
+
+def _span(text: str | None, name: str) -> tuple[int, int] | None:
+    if not text:
+        return None
+    try:
+        lo, hi = (int(x) for x in text.split("-"))
+    except ValueError:
+        raise ValueError(f"{name}: expected LO-HI (two integers), got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise ValueError(f"{name}: need 1 <= LO <= HI, got {text!r}")
+    return lo, hi
 
 
 def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, switch, run_one) -> list:
@@ -488,14 +505,17 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
                                       switch=lambda p, reset: svc.update_policy(p, reset=reset), run_one=run_one)
     t = Table(title="loadtest (in-process: engine and controller, no Serve, no gRPC)")
     for col in ("policy", "conc.", "req", "tok/s", "tok per decode-s", "TTFT p50/p99", "TPOT p50/p99",
-                "arms (top per class)"):
+                "gap p99/max", "arms (top per class)"):
         t.add_column(col)
     per_decode_s = {key: tok / sec if sec > 0 else 0.0 for key, (tok, sec) in svc.decode.items()}
+    t.add_column("step p50/max")
     for s in results:
         t.add_row(s.policy, s.level, str(s.requests), f"{s.throughput_tokens_per_s:.1f}",
                   f"{per_decode_s.get((s.policy, s.level), 0.0):.1f}",
                   f"{s.ttft_p50_s:.2f}/{s.ttft_p99_s:.2f}", f"{s.tpot_p50_s * 1e3:.0f}/{s.tpot_p99_s * 1e3:.0f} ms",
-                  ", ".join(f"{k}:{top_arm(v)}" for k, v in s.arms.items()))
+                  f"{s.gap_p99_s * 1e3:.0f}/{s.gap_max_s * 1e3:.0f} ms",
+                  ", ".join(f"{k}:{top_arm(v)}" for k, v in s.arms.items()),
+                  "{:.0f}/{:.0f} ms".format(*(x * 1e3 for x in svc.step_wall(s.policy, s.level))))
     console.print(t)
     for line in adaptive_vs_static(results):
         console.print(line)
@@ -516,6 +536,7 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
         data = json.loads(as_json(results))
         for lv in data["levels"]:
             lv["decode_tokens_per_s"] = per_decode_s.get((lv["policy"], lv["level"]), 0.0)
+            lv["step_p50_s"], lv["step_max_s"] = svc.step_wall(lv["policy"], lv["level"])
         data["in_process"] = True
         data["cost_check"] = checks
         with open(json_path, "w") as f:

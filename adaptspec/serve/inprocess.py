@@ -27,7 +27,8 @@ from adaptspec.control.base import draft_positions
 from adaptspec.control.types import StepOutcome
 from adaptspec.serve.config import ServiceConfig
 from adaptspec.serve.controller import ControlCore, PolicyUpdate
-from adaptspec.serve.loadtest import Arrivals, LoadSpec, RequestRecord, Window, as_arrivals, bench_prompts, pick_prompt
+from adaptspec.serve.loadtest import (Arrivals, LoadSpec, RequestRecord, Window, as_arrivals, bench_prompts,
+                                      pick_prompt, with_context)
 from adaptspec.serve.loop import _spec, apply_arms, class_deltas, engine_state
 from adaptspec.serve.types import ReplicaReport
 
@@ -73,6 +74,7 @@ class InProcessService:
         self.engine.step_listeners.append(self._steps.append)
         self.cost_checks: dict[str, CostCheck] = {}
         self.decode: dict[tuple[str, str], list[float]] = {}  # (policy, level label) -> [tokens, seconds]
+        self.step_walls: dict[int, list[float]] = {}  # id(decode tally) -> wall seconds of its measured steps
 
     def policy(self) -> str:
         return self.core.policy_name
@@ -103,6 +105,8 @@ class InProcessService:
         def add(due: float) -> None:
             nonlocal counter
             cls, idx, prompt = pick_prompt(prompts, spec.classes, counter)
+            if spec.prompt_tokens:
+                prompt = with_context(prompt, counter, spec.prompt_tokens)
             counter += 1
             rid = eng.add_request(prompt, params, _spec(snap.arm_for(cls), self.drafters), request_class=cls)
             records[rid] = RequestRecord(cls, 0.0, 0.0, 0, start_s=due, prompt_index=idx)
@@ -154,6 +158,11 @@ class InProcessService:
         self._report(now - last, check, tally)
         return done, window
 
+    def step_wall(self, policy: str, level: str) -> tuple[float, float]:
+        """(median, max) wall seconds of the engine steps measured at that level."""
+        walls = self.step_walls.get(id(self.decode.get((policy, level))), [])
+        return (float(np.median(walls)), max(walls)) if walls else (0.0, 0.0)
+
     def _report(self, interval_s: float, check: CostCheck, tally: list[float] | None):
         """Send the steps since the last report to the controller; returns its new snapshot."""
         steps, self._steps[:] = list(self._steps), []
@@ -162,6 +171,7 @@ class InProcessService:
         if tally is not None:
             tally[0] += sum(s.emitted for s in steps)
             tally[1] += sum(s.wall_s - s.prefill_s for s in steps)
+            self.step_walls.setdefault(id(tally), []).extend(s.wall_s for s in steps)
         outcomes = [StepOutcome.from_step_stats(s) for s in steps]
         for o in outcomes:  # what the policy predicted for this step before it learned from it
             check.add(self.core.policy, o)

@@ -93,6 +93,9 @@ class LevelSummary:
     rate_rps: float | None = None  # open-loop arrival rate (concurrency is 0 then)
     think_s: float = 0.0  # closed loop: mean pause between a reply and the client's next request
     level: str = ""  # the level's label (Arrivals.label)
+    # the time between consecutive streamed chunks of a request (a stalled request shows here)
+    gap_p99_s: float = 0.0
+    gap_max_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -103,6 +106,9 @@ class LoadSpec:
     slo_tpot_s: float = 0.25
     temperature: float | None = None
     arm: tuple[str, int] | None = None  # fixed arm (speculation override)
+    # (lo, hi): each request's prompt is its class prompt after a context of about
+    # uniform(lo, hi) tokens (long documents arriving among running requests); None: as is
+    prompt_tokens: tuple[int, int] | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -169,6 +175,17 @@ def pick_prompt(prompts: dict[str, list[str]], classes: list[str], n: int) -> tu
     return cls, i, pool[i]
 
 
+def with_context(prompt: str, n: int, span: tuple[int, int]) -> str:
+    """Request ``n``'s prompt behind a context of about uniform(span) tokens (a word of the
+    filler is about 1.3 SmolLM2 tokens), seeded by ``n``: the same requests every run."""
+    rng = np.random.default_rng([7, n])
+    words = int(rng.integers(span[0], span[1] + 1) / 1.3)
+    pool = [w for ps in bench_prompts().values() for p in ps for w in p.split()]
+    start = int(rng.integers(0, len(pool)))
+    ctx = " ".join(pool[(start + j) % len(pool)] for j in range(words))
+    return f"Context:\n{ctx}\n\n{prompt}"
+
+
 def one_request(client: Client, prompt: str, cls: str, spec: LoadSpec, timeout: float = 300,
                 stop_at: float = float("inf")) -> RequestRecord:
     """One streamed request; cancelled (``cut``) if it is still running at ``stop_at``."""
@@ -211,6 +228,8 @@ def run_level(client: Client, concurrency: "int | Arrivals", duration_s: float, 
 
     def send(i: int) -> RequestRecord:
         cls, idx, prompt = pick_prompt(prompts, spec.classes, i)
+        if spec.prompt_tokens:
+            prompt = with_context(prompt, i, spec.prompt_tokens)
         rec = one_request(client, prompt, cls, spec, stop_at=window.end_s)
         rec.prompt_index = idx
         with lock:
@@ -272,6 +291,7 @@ def summarize(policy: str, concurrency: "int | Arrivals", records: list[RequestR
         return float(np.percentile(xs, q)) if xs else 0.0
 
     ttft, tpot, e2e = [r.ttft_s for r in ok], [r.tpot_s for r in ok], [r.e2e_s for r in ok]
+    gaps = [b[0] - a[0] for r in ok for a, b in zip(r.chunks, r.chunks[1:])]
     good = sum(1 for r in ok if r.ttft_s <= spec.slo_ttft_s and r.tpot_s <= spec.slo_tpot_s)
     arms: dict[str, dict[str, int]] = {}
     for r in ok:
@@ -282,7 +302,7 @@ def summarize(policy: str, concurrency: "int | Arrivals", records: list[RequestR
     arr = as_arrivals(concurrency)
     return LevelSummary(policy, arr.clients, len(ok), len(done) - len(ok), seconds, rate(tokens), rate(good),
                         pct(ttft, 50), pct(ttft, 99), pct(tpot, 50), pct(tpot, 99), pct(e2e, 50), pct(e2e, 99), arms,
-                        arr.rate_rps or None, arr.think_s, arr.label)
+                        arr.rate_rps or None, arr.think_s, arr.label, pct(gaps, 99), max(gaps, default=0.0))
 
 
 def top_arm(per: dict[str, int]) -> str:
@@ -390,6 +410,150 @@ def overhead_summary(pairs: list[OverheadPair], max_tokens: int) -> dict:
 
 def as_json(levels: list[LevelSummary], overhead: dict | None = None, probes: dict | None = None) -> str:
     return json.dumps({"levels": [asdict(x) for x in levels], "overhead": overhead, "probes": probes}, indent=2)
+
+
+class HttpError(Exception):
+    """A refused or failed request on the HTTP API; ``code()`` names the gRPC status the HTTP
+    status stands for, so the load loop treats both protocols alike (backs off on a full queue)."""
+
+    _CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+              429: "RESOURCE_EXHAUSTED", 503: "UNAVAILABLE"}
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+    def code(self):
+        import grpc
+
+        return getattr(grpc.StatusCode, self._CODES.get(self.status, "INTERNAL"))
+
+
+@dataclass(slots=True)
+class _ArmSteps:
+    arm: str
+    steps: int
+
+
+@dataclass(slots=True)
+class _Speculation:
+    arms: list[_ArmSteps] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class _HttpChunk:
+    token_ids: list[int]
+    finished: bool
+    speculation: _Speculation
+
+
+class HttpClient:
+    """The OpenAI-compatible HTTP API behind the part of ``Client`` that ``one_request`` uses:
+    ``stream(...)`` returns an iterable of chunks (``token_ids``, ``finished``,
+    ``speculation.arms``) with ``cancel()``. Each request is a streamed chat completion (the
+    server applies the chat template, as it does for a gRPC prompt) with ``return_token_ids``;
+    ``temperature`` None is greedy, the gRPC default. The standard library's ``http.client``
+    with one keep-alive connection per thread, so no client library's own cost is measured."""
+
+    def __init__(self, base_url: str, api_key: str | None = None):
+        from urllib.parse import urlsplit
+
+        u = urlsplit(base_url)
+        if u.scheme != "http" or not u.hostname:
+            raise ValueError(f"--http-url: expected http://HOST:PORT[/PREFIX], got {base_url!r}")
+        self.host, self.port, self.prefix = u.hostname, u.port or 80, u.path.rstrip("/")
+        self.headers = {"content-type": "application/json"}
+        if api_key:
+            self.headers["authorization"] = f"Bearer {api_key}"
+        self._local = threading.local()
+        self._model: str | None = None
+
+    def _request(self, method: str, path: str, body: dict | None, headers: dict, timeout: float):
+        """The response (status read); a kept-alive connection the server closed is reopened once."""
+        import http.client
+
+        for attempt in (0, 1):
+            conn = getattr(self._local, "conn", None)
+            fresh = conn is None
+            if fresh:
+                conn = self._local.conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+            conn.timeout = timeout
+            try:
+                conn.request(method, self.prefix + path, body=None if body is None else json.dumps(body),
+                             headers={**self.headers, **headers})
+                return conn.getresponse()
+            except (http.client.RemoteDisconnected, ConnectionError):
+                self.drop()
+                if fresh or attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def drop(self) -> None:
+        """Close this thread's connection (hanging up on a request in flight)."""
+        conn, self._local.conn = getattr(self._local, "conn", None), None
+        if conn is not None:
+            conn.close()
+
+    @property
+    def model(self) -> str:
+        """The served model's id (``GET /v1/models``), asked once."""
+        if self._model is None:
+            resp = self._request("GET", "/v1/models", None, {}, 30)
+            data = resp.read()
+            if resp.status != 200:
+                raise HttpError(resp.status, data.decode(errors="replace")[:300])
+            self._model = json.loads(data)["data"][0]["id"]
+        return self._model
+
+    def stream(self, prompt: str, *, request_class: str = "", max_tokens: int | None = None,
+               temperature: float | None = None, speculation=None, timeout: float = 300) -> "_HttpStream":
+        if speculation is not None:
+            raise ValueError("speculation: the HTTP API has no per-request arm (use --protocol grpc)")
+        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
+                "return_token_ids": True, "temperature": 0.0 if temperature is None else temperature}
+        if max_tokens is not None:
+            body["max_tokens"] = max_tokens
+        resp = self._request("POST", "/v1/chat/completions", body,
+                             {"x-adaptspec-class": request_class} if request_class else {}, timeout)
+        if resp.status != 200:
+            data = resp.read()
+            try:
+                message = json.loads(data)["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = data.decode(errors="replace")[:300]
+            raise HttpError(resp.status, message)
+        return _HttpStream(self, resp)
+
+
+class _HttpStream:
+    def __init__(self, client: HttpClient, resp):
+        self.client, self.resp = client, resp
+
+    def cancel(self) -> None:
+        self.client.drop()
+
+    def __iter__(self):
+        try:
+            for line in self.resp:
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[len(b"data: "):].strip()
+                if data == b"[DONE]":
+                    self.resp.read()  # the end of the chunked body: the connection is reused
+                    return
+                event = json.loads(data)
+                if "error" in event:
+                    raise HttpError(500, event["error"].get("message", ""))
+                if not event["choices"]:
+                    continue
+                choice = event["choices"][0]
+                finished = choice["finish_reason"] is not None
+                arms = [_ArmSteps(a, n) for a, n in (event.get("adaptspec") or {}).get("arms", {}).items()]
+                yield _HttpChunk(choice.get("token_ids") or [], finished, _Speculation(arms))
+            raise HttpError(500, "the event stream ended without [DONE]")
+        except BaseException:
+            self.cancel()
+            raise
 
 
 class Probes:
