@@ -24,6 +24,7 @@ def _register_all() -> None:
     from adaptspec.distill.cli import register as register_distill
     from adaptspec.sim.fidelity_cli import register as register_fidelity
     from adaptspec.tools.engine_ab import register as register_ab
+    from adaptspec.tools.prefix_bench import register as register_prefix
 
     register_models(app)
     register_engine(app)
@@ -32,6 +33,7 @@ def _register_all() -> None:
     register_distill(app)
     register_fidelity(app)
     register_ab(app)
+    register_prefix(app)
 
 
 _register_all()
