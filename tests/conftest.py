@@ -14,14 +14,17 @@ def make_tiny_model(folder: Path, *, vocab: int = 16, seed: int = 0, layers: int
     """Save a tiny random Llama-family model plus a word-level tokenizer ("t0".."tN")."""
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, decoders
-    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen3Config
 
     torch.manual_seed(seed)
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   initializer_range=init, tie_word_embeddings=tie, rms_norm_eps=1e-5,
                   bos_token_id=None, eos_token_id=None, pad_token_id=None)
-    cfg = Qwen2Config(**common) if model_type == "qwen2" else LlamaConfig(**common)
+    if model_type == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=hidden // 4, use_sliding_window=False)
+    else:
+        cfg = Qwen2Config(**common) if model_type == "qwen2" else LlamaConfig(**common)
     model = AutoModelForCausalLM.from_config(cfg).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -45,14 +45,21 @@ class LlamaConfig:
     tie_word_embeddings: bool
     attention_bias: bool = False
     rope_scaling: dict | None = None
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k before the rotary embedding
 
     @classmethod
     def from_hf(cls, cfg) -> "LlamaConfig":
-        if getattr(cfg, "model_type", "llama") not in ("llama", "mistral", "qwen2"):
+        mtype = getattr(cfg, "model_type", "llama")
+        if mtype not in ("llama", "mistral", "qwen2", "qwen3"):
             raise ValueError(
                 f"model_type={cfg.model_type!r} is not a Llama-family model "
-                "(supported: llama, mistral, qwen2)"
+                "(supported: llama, mistral, qwen2, qwen3)"
             )
+        window = getattr(cfg, "sliding_window", None)
+        if window and mtype in ("mistral", "qwen2", "qwen3") and getattr(cfg, "use_sliding_window", True) \
+                and window < cfg.max_position_embeddings:
+            raise ValueError(f"sliding_window={window}: sliding-window attention is not supported "
+                             "(full attention only)")
         act = getattr(cfg, "hidden_act", "silu")
         if act != "silu":
             raise ValueError(f"hidden_act={act!r} is not supported (only silu / SwiGLU)")
@@ -76,6 +83,7 @@ class LlamaConfig:
             tie_word_embeddings=bool(getattr(cfg, "tie_word_embeddings", False)),
             attention_bias=bool(getattr(cfg, "attention_bias", False) or qwen_bias),
             rope_scaling=dict(scaling) if scaling else None,
+            qk_norm=mtype == "qwen3",
         )
 
 
@@ -152,6 +160,9 @@ class LlamaModel:
                                 lay(w[p + "self_attn.o_proj.weight"]),
                                 w[p + "post_attention_layernorm.weight"].to(ct), lay(gate_up),
                                 lay(w[p + "mlp.down_proj.weight"])))
+        self.qk_norms = ([(w[f"model.layers.{i}.self_attn.q_norm.weight"].to(ct),
+                           w[f"model.layers.{i}.self_attn.k_norm.weight"].to(ct)) for i in range(cfg.num_layers)]
+                         if cfg.qk_norm else None)
         if matmul == "packed":  # one buffer on transparent huge pages (cpu_gemm.into_huge_pages)
             cpu_gemm.into_huge_pages([x for x in (*(x for lay_ in self.layers for x in lay_), self.lm_head)
                                       if isinstance(x, cpu_gemm.PackedWeight)])
@@ -165,7 +176,7 @@ class LlamaModel:
                       and cpu_gemm.mode() != "0" and cpu_gemm.enabled())
         # the fused path's layers in one C call where every weight is on the kernel
         self.c_layers = (cpu_gemm.CLayers(self.layers, self.norm)
-                         if self.fused and cpu_gemm.CLayers.applies(self.layers) else None)
+                         if self.fused and not cfg.qk_norm and cpu_gemm.CLayers.applies(self.layers) else None)
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin)
         self._cpu_attn = CpuAttention(*heads) if self.fused else None
         self._torch_attn = TorchAttention(*heads)
@@ -259,7 +270,10 @@ class LlamaModel:
             x = self._add_norm(h, delta, ln1, eps, x)
             if li in feature_layers:  # the residual stream entering layer li (delta added above)
                 taps[li] = h.clone()
-            a = self.attn.attend(self._mm(x, qkv_w, qkv_b), self.k_cache[li], self.v_cache[li], batch, meta)
+            qkv = self._mm(x, qkv_w, qkv_b)
+            if self.qk_norms is not None:
+                qkv = self._qk_norm(qkv, *self.qk_norms[li])
+            a = self.attn.attend(qkv, self.k_cache[li], self.v_cache[li], batch, meta)
             x = self._add_norm(h, self._mm(a, o_w), ln2, eps, x)
             gu = self._mm(x, gate_up_w)
             if self.fused:
@@ -271,6 +285,15 @@ class LlamaModel:
             return out
         taps[c.num_layers] = out
         return torch.cat([taps[i] for i in feature_layers], 1)
+
+    def _qk_norm(self, qkv: torch.Tensor, qn: torch.Tensor, kn: torch.Tensor) -> torch.Tensor:
+        """Qwen3's per-head RMSNorm of q and k (v untouched), before the rotary embedding."""
+        c = self.cfg
+        N, D = qkv.shape[0], c.head_dim
+        nq, nk = c.num_heads * D, c.num_kv_heads * D
+        q = F.rms_norm(qkv[:, :nq].reshape(N, c.num_heads, D), (D,), qn, c.rms_norm_eps).reshape(N, nq)
+        k = F.rms_norm(qkv[:, nq:nq + nk].reshape(N, c.num_kv_heads, D), (D,), kn, c.rms_norm_eps).reshape(N, nk)
+        return torch.cat([q, k, qkv[:, nq + nk:]], 1).contiguous()
 
     def _add_norm(self, h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float,
                   out: torch.Tensor | None) -> torch.Tensor:

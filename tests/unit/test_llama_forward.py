@@ -53,7 +53,7 @@ def test_padding_never_reaches_the_matmuls(tiny_dir):
         assert (lg[rows] - lg1).abs().max() <= 1e-5
 
 
-@pytest.mark.parametrize("model_type,tie", [("llama", False), ("llama", True), ("qwen2", False)])
+@pytest.mark.parametrize("model_type,tie", [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", False)])
 def test_tiny_logits_match_transformers(tmp_path, model_type, tie):
     folder = make_tiny_model(tmp_path, vocab=40, seed=5, model_type=model_type, tie=tie)
     hf, m = _ours(folder, "reference")
