@@ -22,6 +22,15 @@ def register(app: typer.Typer) -> None:
     @app.command("distill")
     def distill_cmd(
         target: str = typer.Option("smollm2-135m", help="target model: alias, folder or .gguf"),
+        source: str = typer.Option("corpus", help="corpus (the offline prompt corpus, on-the-fly teacher; head or "
+                                                  "model) or sharegpt (an EAGLE-3 head from ShareGPT + on-policy "
+                                                  "answers, stored features; resumable phases)"),
+        feature_layers: Optional[str] = typer.Option(None, "--feature-layers", help="sharegpt: the target's hidden "
+                                                     "states to fuse, e.g. 2,15,27 (default: EAGLE-3's low/mid/high)"),
+        onpolicy_tokens: int = typer.Option(120_000, "--onpolicy-tokens", help="sharegpt: target answer tokens"),
+        offpolicy_tokens: int = typer.Option(120_000, "--offpolicy-tokens",
+                                             help="sharegpt: ShareGPT assistant tokens, teacher-forced"),
+        phases: str = typer.Option("generate,features,train,export", help="sharegpt: phases to run"),
         kind: str = typer.Option("head", help="head (feature-level, EAGLE-style) or model (independent)"),
         out: Path = typer.Option(..., help="output folder (the draft, checkpoints, curve, summary)"),
         layers: int = typer.Option(1, help="decoder layers of the draft"),
@@ -50,6 +59,22 @@ def register(app: typer.Typer) -> None:
         eval_every: float = typer.Option(60.0, "--eval-every", help="seconds between held-out evaluations"),
     ):
         """Distill a draft (head or model) for TARGET on its own continuations."""
+        if source == "sharegpt":
+            from adaptspec.distill.pipeline import Plan, run
+
+            flayers = [int(x) for x in feature_layers.split(",")] if feature_layers else None
+            train = {"layers": layers, "vocab_top": vocab_top or 8192, "passes": passes, "lr": lr,
+                     "batch_tokens": batch_tokens, "epochs": epochs if epochs != 100.0 else 4.0, "steps": steps,
+                     "time_budget_s": time_budget * 60 if time_budget is not None else None, "seed": seed,
+                     "init": init}
+            plan = Plan(run=out, target=target, dtype=dtype if dtype != "float32" else "bfloat16",
+                        onpolicy_tokens=onpolicy_tokens, offpolicy_tokens=offpolicy_tokens,
+                        max_new_tokens=min(max_new_tokens, 128), gen_batch=gen_batch, feature_layers=flayers,
+                        seed=seed, train=train)
+            run(plan, [p for p in phases.split(",") if p])
+            return
+        if source != "corpus":
+            raise ValueError(f"source: must be corpus or sharegpt, got {source!r}")
         from adaptspec.distill.train import TrainConfig
 
         cfg = TrainConfig(kind=kind, layers=layers, hidden=hidden, vocab_top=vocab_top, loss=loss, passes=passes,
@@ -179,6 +204,36 @@ def plot_curve(curve: list[dict], path: Path, title: str) -> None:
         ax[1].plot(x, [p["held_out"]["per_class"].get(c, {}).get("alpha1") for p in curve], label=c)
     ax[1].set_xlabel("training positions seen")
     ax[1].set_ylabel("held-out alpha (position 1)")
+    ax[1].legend()
+    ax[1].grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_acceptance_curve(curve: list[dict], path: Path, title: str) -> None:
+    """Held-out acceptance (simulated drafting, per class) against training tokens seen."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [p for p in curve if p.get("held_out")]
+    if not pts:
+        return
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    x = [p["tokens_seen"] for p in pts]
+    ax[0].plot(x, [p["held_out"]["a"] for p in pts], label="a (per-token acceptance, k = 4)")
+    ax[0].plot(x, [p["held_out"]["alpha"] for p in pts], "--", label="alpha (first candidate)")
+    ax[0].set_xlabel("training positions seen")
+    ax[0].set_ylabel("held-out acceptance")
+    ax[0].legend()
+    ax[0].grid(alpha=0.3)
+    for c in sorted({c for p in pts for c in p["held_out"].get("per_class", {})}):
+        ax[1].plot(x, [p["held_out"]["per_class"].get(c, {}).get("acc_len") for p in pts], label=c)
+    ax[1].set_xlabel("training positions seen")
+    ax[1].set_ylabel("held-out accepted length (k = 4)")
     ax[1].legend()
     ax[1].grid(alpha=0.3)
     fig.suptitle(title)

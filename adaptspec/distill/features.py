@@ -76,7 +76,9 @@ class FeatureStore:
         self.folder.mkdir(parents=True, exist_ok=True)
         name = f"shard_{len(self.shards):05d}.safetensors"
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(self.folder / name))
+        off = tensors["offsets"]
         self.shards.append({"file": name, "source": source, "sequences": len(classes), "classes": classes,
+                            "lengths": (off[1:] - off[:-1]).tolist(),
                             "tokens": int(tensors["ids"].numel()), "loss_tokens": int(tensors["loss"].sum())})
         self.manifest["consumed"][source] = consumed
         self._write()

