@@ -38,7 +38,11 @@ def build_app(config: ServiceConfig):
     if config.http.enabled:  # the OpenAI-compatible HTTP routes, served by the same replicas as gRPC
         from ray import serve
 
-        TargetEngine = TargetEngine.options(func_or_class=serve.ingress()(TargetEngine.func_or_class))  # noqa: N806
+        # a call Serve's proxy refuses (every replica full, its queue full) is a 429 over HTTP, as
+        # the engine's own refusals are (gRPC: RESOURCE_EXHAUSTED either way)
+        TargetEngine = TargetEngine.options(  # noqa: N806
+            func_or_class=serve.ingress()(TargetEngine.func_or_class),
+            backpressure_config={"status_code": 429, "retry_after_s": 1})
     args = config.model_dump(mode="json")
     controller = Controller.bind(args)
     drafter = None

@@ -320,13 +320,20 @@ def loadtest(
     prompt_tokens: Optional[str] = typer.Option(None, help="LO-HI: put a context of about uniform(LO, HI) tokens "
                                                           "before each prompt (long prompts arriving among "
                                                           "running requests; e.g. 100-1500)"),
+    protocol: str = typer.Option("grpc", help="what the load speaks: grpc, or http (the OpenAI-compatible API at "
+                                             "--http-url: streamed chat completions; policy switches and stats "
+                                             "still go through gRPC)"),
+    http_url: str = typer.Option("http://127.0.0.1:8000", help="the service's HTTP proxy for --protocol http "
+                                                               "(the app's route /<app> is added; --start: its port)"),
+    api_key: Optional[str] = typer.Option(None, envvar="OPENAI_API_KEY", help="API key for --protocol http"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write results to this JSON file"),
 ) -> None:
-    """Closed-loop load on loopback gRPC: TTFT, TPOT, E2E p50/p99, throughput, goodput, arms."""
+    """Closed-loop load on loopback gRPC (or the OpenAI-compatible HTTP API: --protocol http): TTFT,
+    TPOT, E2E p50/p99, throughput, goodput, arms."""
     from rich.table import Table
 
     from adaptspec.serve.client import Client
-    from adaptspec.serve.loadtest import LoadSpec, Probes, as_json, run_level, top_arm
+    from adaptspec.serve.loadtest import HttpClient, LoadSpec, Probes, as_json, run_level, top_arm
 
     console = _console()
     spec = LoadSpec([c for c in classes.split(",") if c], max_tokens, slo_ttft, slo_tpot,
@@ -334,8 +341,11 @@ def loadtest(
     levels = load_levels(concurrency, rate, arrival, burstiness, think_time, think, arrival_seed)
     results = []
     over = probed = bg = None
+    if protocol not in ("grpc", "http"):
+        raise ValueError(f"--protocol: grpc or http, got {protocol!r}")
     if in_process:
-        bad = [name for name, on in (("--start", start), ("--overhead", overhead), ("--overhead-only", overhead_only),
+        bad = [name for name, on in (("--start", start), ("--protocol http", protocol == "http"),
+                                     ("--overhead", overhead), ("--overhead-only", overhead_only),
                                      ("--probes", probes)) if on]
         if bad:
             raise ValueError(f"--in-process: {', '.join(bad)} need the service (no Serve runs in-process)")
@@ -346,16 +356,18 @@ def loadtest(
 
         cfg = load_config(config)
         address, app_name = start_embedded(cfg, console), cfg.app_name
+        http_url = f"http://127.0.0.1:{cfg.http_port}"
     try:
         with Client(address, app_name) as c:
             c.wait_ready(30)
             deployed = c.policy().policy
             bg = Probes(address, app_name, probes)
+            load = c if protocol == "grpc" else HttpClient(f"{http_url.rstrip('/')}/{app_name}", api_key)
             pols = [] if overhead_only else [p for p in policies.split(",") if p] or [deployed]
             results = _interleaved_levels(
                 levels if pols else [], pols, rounds, fresh, spec, console, current=lambda: c.policy().policy,
                 switch=lambda p, reset: c.update_policy(p, reset=reset),
-                run_one=lambda n: run_level(c, n, duration, spec, warmup_s=warmup))
+                run_one=lambda n: run_level(load, n, duration, spec, warmup_s=warmup))
             if policies and deployed != c.policy().policy:
                 c.update_policy(deployed)
             if overhead:

@@ -469,7 +469,8 @@ class HttpClient:
         self._model: str | None = None
 
     def _request(self, method: str, path: str, body: dict | None, headers: dict, timeout: float):
-        """The response (status read); a kept-alive connection the server closed is reopened once."""
+        """(connection, response with its status read); a kept-alive connection the server
+        closed is reopened once."""
         import http.client
 
         for attempt in (0, 1):
@@ -481,24 +482,24 @@ class HttpClient:
             try:
                 conn.request(method, self.prefix + path, body=None if body is None else json.dumps(body),
                              headers={**self.headers, **headers})
-                return conn.getresponse()
+                return conn, conn.getresponse()
             except (http.client.RemoteDisconnected, ConnectionError):
-                self.drop()
+                self.drop(conn)
                 if fresh or attempt:
                     raise
         raise AssertionError("unreachable")
 
-    def drop(self) -> None:
-        """Close this thread's connection (hanging up on a request in flight)."""
-        conn, self._local.conn = getattr(self._local, "conn", None), None
-        if conn is not None:
-            conn.close()
+    def drop(self, conn) -> None:
+        """Close ``conn`` (hanging up on a request in flight); this thread opens a new one next."""
+        conn.close()
+        if getattr(self._local, "conn", None) is conn:
+            self._local.conn = None
 
     @property
     def model(self) -> str:
         """The served model's id (``GET /v1/models``), asked once."""
         if self._model is None:
-            resp = self._request("GET", "/v1/models", None, {}, 30)
+            _, resp = self._request("GET", "/v1/models", None, {}, 30)
             data = resp.read()
             if resp.status != 200:
                 raise HttpError(resp.status, data.decode(errors="replace")[:300])
@@ -513,8 +514,8 @@ class HttpClient:
                 "return_token_ids": True, "temperature": 0.0 if temperature is None else temperature}
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
-        resp = self._request("POST", "/v1/chat/completions", body,
-                             {"x-adaptspec-class": request_class} if request_class else {}, timeout)
+        conn, resp = self._request("POST", "/v1/chat/completions", body,
+                                   {"x-adaptspec-class": request_class} if request_class else {}, timeout)
         if resp.status != 200:
             data = resp.read()
             try:
@@ -522,15 +523,15 @@ class HttpClient:
             except (ValueError, KeyError, TypeError):
                 message = data.decode(errors="replace")[:300]
             raise HttpError(resp.status, message)
-        return _HttpStream(self, resp)
+        return _HttpStream(self, conn, resp)
 
 
 class _HttpStream:
-    def __init__(self, client: HttpClient, resp):
-        self.client, self.resp = client, resp
+    def __init__(self, client: HttpClient, conn, resp):
+        self.client, self.conn, self.resp = client, conn, resp
 
     def cancel(self) -> None:
-        self.client.drop()
+        self.client.drop(self.conn)
 
     def __iter__(self):
         try:

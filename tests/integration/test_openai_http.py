@@ -54,9 +54,7 @@ def _chat_model(src, dst):
 
 def _config(target, **over) -> ServiceConfig:
     base = {"models": {"target": str(target), "draft": None}, "grpc_port": GRPC_PORT, "http_port": HTTP_PORT,
-            # Serve's router may hold the queue-filling streams while it places them: room for them
-            # and a stats call, so that the refusal under test is the engine's (429), not Serve's
-            "target": {"num_cpus": 0, "max_queued_requests": 32},
+            "target": {"num_cpus": 0},
             "controller": {"report_interval_s": 0.1, "max_k": 4},
             "engine": {"max_num_seqs": MAX_NUM_SEQS, "max_model_len": 8192, "max_queued": MAX_QUEUED,
                        "torch_threads": 1},
@@ -332,16 +330,26 @@ def _hold(client: Client):
 
 
 def test_full_queue_is_429(service):
-    client = service["grpc"]
+    """Serve sends a replica no more calls than its engine holds (KV slots + queue); with the
+    replica full, the proxy holds ``max_queued_requests`` (default: engine.max_queued) calls
+    and refuses the rest: over HTTP with 429 and Retry-After (Serve's plain-text body; a
+    refusal by the engine itself carries OpenAI's JSON error). gRPC and HTTP share that queue."""
+    client, base, http = service["grpc"], service["base"], service["http"]
     _wait_idle(client, "an idle replica")
-    held = [_hold(client) for _ in range(MAX_NUM_SEQS + MAX_QUEUED)]
+    held = [_hold(client) for _ in range(MAX_NUM_SEQS + 2 * MAX_QUEUED)]
+
+    def refused():  # a probe waiting in the proxy's queue times out: the queue is not full yet
+        try:
+            r = http.post("/v1/completions", json=_cmpl(), timeout=0.5)
+        except httpx.TimeoutException:
+            return False
+        assert r.status_code in (200, 429), r.text
+        return r.status_code == 429 and r
     try:
-        _wait_for(lambda: (r := client.stats().replicas[0]).in_flight == MAX_NUM_SEQS + MAX_QUEUED
-                  and r.free_slots == 0, "a full queue")
-        for stream in (False, True):
-            r = service["http"].post("/v1/completions", json=_cmpl(stream=stream))
-            assert r.status_code == 429, r.text
-            assert r.json()["error"]["type"] == "rate_limit_error" and r.headers["retry-after"]
+        r = _wait_for(refused, "a 429 once the replica and the proxy's queue are full")
+        assert r.headers["retry-after"] == "1"
+        r = http.post("/v1/chat/completions", json=_chat(stream=True), timeout=30)
+        assert r.status_code == 429
         with pytest.raises(openai.RateLimitError):
             service["oai"].chat.completions.create(**_chat())
     finally:
@@ -404,6 +412,26 @@ def test_smollm_chat_over_http_equals_grpc(service, smollm_dir):
         oai.close()
         client.close()
         serve.delete("smollm")
+
+
+def test_loadtest_command_over_http(service, tmp_path):
+    """``adaptspec loadtest --protocol http``: the load through the HTTP API, every request
+    answered; the policy switch still goes through gRPC."""
+    from typer.testing import CliRunner
+
+    from adaptspec.cli import app
+
+    client = service["grpc"]
+    _wait_idle(client, "an idle replica")
+    out = tmp_path / "lt.json"
+    res = CliRunner().invoke(app, ["loadtest", "--address", client.address, "--protocol", "http", "--http-url",
+                                   f"http://127.0.0.1:{HTTP_PORT}", "--api-key", KEY_A, "--concurrency", "2",
+                                   "--duration", "1.0", "--warmup", "0.5", "--max-tokens", "8",
+                                   "--classes", "chat,plain", "--policies", "static:none:0", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    (level,) = json.loads(out.read_text())["levels"]
+    assert level["requests"] > 0 and level["errors"] == 0 and level["ttft_p50_s"] > 0
+    assert set(level["arms"]) <= {"chat", "plain"} and all(set(a) == {"none:0"} for a in level["arms"].values())
 
 
 def test_engine_gone_is_503(service):
