@@ -264,8 +264,26 @@ class PlanScore:
     n0: np.ndarray  # [U] row 0's requests in the system along the grid
 
 
-GRID = np.geomspace(0.5, 600.0, 40)  # u / (the empty step's time): loads from idle to far past saturation
+GRID = np.geomspace(0.01, 1000.0, 64)  # u / (the empty step's time): loads from near idle to far past saturation
 TOLERANCE = 0.01  # relative differences below this are ties (the models are not finer)
+
+
+def _capacity(u: np.ndarray, T: np.ndarray, theta: np.ndarray, slack: np.ndarray, rising: np.ndarray):
+    """[R] the largest load sustained within the limits (``slack`` >= 0) on the rising branch,
+    the crossing of a limit interpolated between grid points; and [R, U] the feasible prefix."""
+    R, U = T.shape
+    ok = np.logical_and.accumulate((slack >= 0) & rising, axis=1)
+    last = ok.sum(axis=1) - 1  # [R] last feasible grid point (-1: none)
+    rows = np.arange(R)
+    i = np.maximum(last, 0)
+    cap = np.where(last >= 0, theta[rows, i], 0.0)
+    j = np.minimum(i + 1, U - 1)
+    cross = (last >= 0) & (last < U - 1) & rising[rows, j] & (slack[rows, j] < 0)
+    s0, s1 = slack[rows, i], slack[rows, j]
+    f = np.where(cross, s0 / np.maximum(s0 - s1, 1e-12), 0.0)
+    u_x = u[i] + f * (u[j] - u[i])
+    T_x = T[rows, i] + f * (T[rows, j] - T[rows, i])
+    return np.where(cross, np.maximum(cap, u_x / T_x), cap), ok
 
 
 @dataclass(slots=True)
@@ -408,23 +426,24 @@ class Planner:
         if share > 0:
             T_now = T_now / (1.0 - share)
         goodput = (nb * Lx).sum(axis=1) / T_now
-        feas = np.ones_like(T, dtype=bool)
+        # how far each grid point is inside the replica's limits (>= 0: within them), in
+        # relative units so that the tighter limit decides
+        slack = np.ones_like(T)
         if self.max_num_seqs is not None:
-            feas &= n <= self.max_num_seqs
+            slack = np.minimum(slack, 1.0 - n / self.max_num_seqs)
         if self.max_batched_tokens is not None:
-            feas &= V <= self.max_batched_tokens
+            slack = np.minimum(slack, 1.0 - V / self.max_batched_tokens)
         rising = np.concatenate([np.ones((R, 1), dtype=bool), np.diff(theta, axis=1) > 0], axis=1)
-        ok = np.logical_and.accumulate(feas & rising, axis=1)
-        capacity = np.where(ok, theta, 0.0).max(axis=1)
+        capacity, ok = _capacity(u, T, theta, slack, rising)
         limits = np.array([self._tpot(c) for c in x.classes])  # [C] inf: no target
         class_capacity = np.repeat(capacity[:, None], C, axis=1)
         if np.isfinite(limits).any():
             # T / Lt_c <= margin * target for every class with a target
-            tpot_ok = T[:, :, None] <= (Lt * limits[None, :])[:, None, :]  # [R, U, C]
-            hopeless = ~tpot_ok[:, 0, :].any(axis=0)  # [C] no row meets it even at idle
-            tpot_ok |= hopeless[None, None, :]
-            ok_c = np.logical_and.accumulate(ok[:, :, None] & tpot_ok, axis=1)
-            class_capacity = np.where(ok_c, theta[:, :, None], 0.0).max(axis=1)
+            budget = Lt * limits[None, :]  # [R, C] step seconds each class's TPOT allows
+            tpot_slack = 1.0 - T[:, :, None] / budget[:, None, :]  # [R, U, C]
+            hopeless = ~(tpot_slack[:, 0, :] >= 0).any(axis=0)  # [C] no row meets it even at idle
+            for c in np.flatnonzero(np.isfinite(limits) & ~hopeless):
+                class_capacity[:, c] = _capacity(u, T, theta, np.minimum(slack, tpot_slack[:, :, c]), rising)[0]
         # today's demand (theta = 1): interpolate u where theta crosses 1 on the feasible branch
         above = ok & (theta >= 1.0)
         has = above.any(axis=1)

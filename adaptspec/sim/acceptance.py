@@ -5,6 +5,7 @@ Each model gives ``position_probs(K)`` (the truth the oracle plans with) and
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -85,17 +86,27 @@ class ReplayAcceptance:
 
 AcceptanceModel = BernoulliAcceptance | PositionAcceptance | ReplayAcceptance
 
-_GRID = (np.arange(4000) + 0.5) / 4000  # quadrature points on (0, 1)
+_EDGES = np.linspace(0.0, 1.0, 401)  # cells of [0, 1] the calibration is integrated over
+_V = (np.arange(512) + 0.5) / 512  # quadrature points of the CDF's substituted integral
 
 
-def _beta_weights(mean: np.ndarray, concentration: float) -> np.ndarray:
-    """[K, G] Beta(mean * c, (1 - mean) * c) densities on _GRID, normalised to sum 1 per row."""
-    m = np.clip(np.asarray(mean, dtype=float), 1e-4, 1 - 1e-4)[:, None]
-    a, b = m * concentration, (1 - m) * concentration
-    logp = (a - 1) * np.log(_GRID) + (b - 1) * np.log1p(-_GRID)
-    logp -= logp.max(axis=1, keepdims=True)
-    w = np.exp(logp)
-    return w / w.sum(axis=1, keepdims=True)
+def _beta_cdf(t: np.ndarray, a: float, b: float) -> np.ndarray:
+    """P(c < t) for c ~ Beta(a, b), t in [0, 1]. With c = t v^(1/a) the density's
+    singularity at 0 goes away: P = t^a / (a B(a, b)) * int_0^1 (1 - t v^(1/a))^(b - 1) dv,
+    bounded for t < 1 (numpy has no incomplete beta; a grid over c itself misses the mass
+    piled at 0 or 1 when a or b is below 1)."""
+    t = np.asarray(t, dtype=float)
+    inner = np.clip(t, 0.0, 1.0 - 1e-12)
+    log_b = math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b)
+    integral = ((1.0 - inner[..., None] * _V ** (1.0 / a)) ** (b - 1.0)).mean(axis=-1)
+    out = np.exp(a * np.log(np.maximum(inner, 1e-300)) - math.log(a) - log_b) * integral
+    return np.where(t >= 1.0, 1.0, np.clip(out, 0.0, 1.0))
+
+
+def _cell_masses(mean: float, concentration: float) -> np.ndarray:
+    """[cells] Beta(mean c, (1 - mean) c) probability of each cell of _EDGES."""
+    m = min(max(float(mean), 1e-4), 1 - 1e-4)
+    return np.diff(_beta_cdf(_EDGES, m * concentration, (1 - m) * concentration))
 
 
 @dataclass(slots=True)
@@ -131,10 +142,11 @@ class ConfidenceAcceptance:
         p = self.base.position_probs(K)
         if self.calibration is None:
             return p
-        return (_beta_weights(p, self.concentration) * self.g(_GRID)[None, :]).sum(axis=1)
+        mid = (_EDGES[1:] + _EDGES[:-1]) / 2
+        return np.array([float(_cell_masses(q, self.concentration) @ self.g(mid)) for q in p])
 
     def sample(self, k: int, n: int, rng: np.random.Generator) -> np.ndarray:
-        c, ok = self.sample_confidence(k, n, rng)
+        _, ok = self.sample_confidence(k, n, rng)
         return np.cumprod(ok, axis=1).sum(axis=1)
 
     def sample_confidence(self, k: int, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
@@ -147,11 +159,11 @@ class ConfidenceAcceptance:
     def threshold_curves(self, K: int, bins: np.ndarray, num_bins: int) -> tuple[np.ndarray, np.ndarray]:
         """(r, q) [T, K] for thresholds at ``bins / num_bins``: q = P(c >= t) and
         r = P(c >= t and accepted) per position (see ``adaptspec.control.confidence``)."""
-        w = _beta_weights(self.base.position_probs(K), self.concentration)  # [K, G]
-        above = _GRID[None, :] >= (np.asarray(bins, dtype=float) / num_bins)[:, None]  # [T, G]
-        q = above.astype(float) @ w.T
-        r = (above * self.g(_GRID)[None, :]).astype(float) @ w.T
-        return r, q
+        mid = (_EDGES[1:] + _EDGES[:-1]) / 2
+        cut = np.asarray(bins, dtype=float) / num_bins  # thresholds lie on cell edges (multiples of 1/400)
+        above = (mid[None, :] >= cut[:, None]).astype(float)  # [T, cells]
+        masses = np.stack([_cell_masses(q, self.concentration) for q in self.base.position_probs(K)])  # [K, cells]
+        return (above * self.g(mid)[None, :]) @ masses.T, above @ masses.T
 
 
 def inner(model) -> AcceptanceModel:

@@ -303,7 +303,8 @@ class Replica:
             if n == 0:
                 continue
             a_sum = int(acc.sum())
-            rec.arm_counts[c, b, rec.arm_slot(arm)] += n
+            col = rec.arm_slot(arm)  # first: a new arm grows arm_counts
+            rec.arm_counts[c, b, col] += n
             rec.accepted_n[c, b] += n
             rec.accepted_sum[c, b] += a_sum + n
             hist = np.bincount(acc, minlength=arm.k + 1)
