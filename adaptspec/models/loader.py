@@ -13,11 +13,14 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
           "float16": torch.float16, "fp16": torch.float16}
 
 
-def parse_dtype(dtype) -> torch.dtype:
+def parse_dtype(dtype, device="cpu") -> torch.dtype:
+    """A dtype name; ``"auto"``: bfloat16 on CUDA (what GPUs serve in), float32 on the CPU."""
     if isinstance(dtype, torch.dtype):
         return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
     if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)}")
+        raise ValueError(f"dtype={dtype!r} is not one of {sorted(DTYPES)} or 'auto'")
     return DTYPES[dtype]
 
 
@@ -59,7 +62,7 @@ def load_model(spec: str, dtype="float32", device="cpu", matmul: str | None = No
     """Resolve ``spec`` (alias, folder, .gguf, hub id) and load it for inference."""
     from transformers import AutoConfig, AutoTokenizer
 
-    dt, dev = parse_dtype(dtype), parse_device(device)
+    dt, dev = parse_dtype(dtype, device), parse_device(device)
     folder = resolve(spec, quiet=quiet)
     cfg = LlamaConfig.from_hf(AutoConfig.from_pretrained(folder))
     # On the CPU: our small-M kernel on packed weights (bf16 and fp32; see cpu_gemm) or the

@@ -45,13 +45,20 @@ class ModelsConfig(_Strict):
     draft: str | None = Field("smollm2-135m-draft",
                               description="draft sharing the target's tokenizer: a draft model or a draft head "
                                           "(the default is the shipped distilled head); null: n-gram only")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="weights dtype. float32 is the reference the token-for-token tests use. On the CPU, "
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="weights dtype; auto: bfloat16 on CUDA, float32 on the CPU. float32 is the reference "
+                               "the token-for-token tests use. On the CPU, "
                                "bfloat16 runs on the C kernel with fp32 compute around bf16 products, 1.4-1.6x "
                                "the tokens/s at 1-16 clients on the 2-core box (deploy/README.md, runs 16-17 "
                                "and 34); without a C compiler it falls back to torch's bf16, slower than "
                                "float32 there (a warning says so)")
     device: str = Field("cpu", description="torch device of the target replica, e.g. cpu or cuda")
+
+    def resolved_dtype(self) -> str:
+        """The dtype name ``auto`` stands for on this device."""
+        if self.dtype != "auto":
+            return self.dtype
+        return "bfloat16" if self.device.startswith("cuda") else "float32"
 
 
 class EngineOptions(_Strict):

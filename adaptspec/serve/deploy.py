@@ -175,7 +175,7 @@ def replica_memory_gib(p: Profile) -> tuple[float, float]:
     (``max_num_seqs x max_model_len`` tokens, target and draft) in the device's memory; on a
     GPU the host still stages the weights once while loading."""
     svc, s = p.service, p.kubernetes.sizing
-    dtype, tokens = svc.models.dtype, svc.engine.max_num_seqs * svc.engine.max_model_len
+    dtype, tokens = svc.models.resolved_dtype(), svc.engine.max_num_seqs * svc.engine.max_model_len
     weights = s.target.weights_gib(dtype) + (s.draft.weights_gib(dtype) if s.draft else 0.0)
     kv = s.target.kv_gib(dtype, tokens) + (s.draft.kv_gib(dtype, tokens) if s.draft else 0.0)
     if svc.target.num_gpus:

@@ -64,7 +64,7 @@ def build_engine(cfg: ServiceConfig, *, target: str | None = None, torch_threads
 
 def warn_slow_bf16(cfg: ServiceConfig) -> None:
     """bf16 on the CPU is fast only on the C kernel (bf16 weights, fp32 compute around the products)."""
-    if cfg.models.dtype != "bfloat16" or not cfg.models.device.startswith("cpu"):
+    if cfg.models.resolved_dtype() != "bfloat16" or not cfg.models.device.startswith("cpu"):
         return
     from adaptspec.models import cpu_gemm
 
