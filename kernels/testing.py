@@ -34,7 +34,7 @@ def _forget_triton() -> None:
     compiled extension ``triton._C`` stays (it cannot be loaded twice)."""
     for name in list(sys.modules):
         if ((name == "triton" or name.startswith("triton.")) and not name.startswith("triton._C")) \
-                or name.startswith("adaptspec_kernels.triton_verify") or name == "adaptspec_kernels.verify":
+                or name.startswith("adaptspec_kernels.triton_") or name == "adaptspec_kernels.verify":
             del sys.modules[name]
 
 

@@ -9,7 +9,8 @@ each row's causal attention over its sequence's cached keys: ``[num_tokens, H * 
   each sequence's keys through its block table and runs SDPA on a [num_seqs, max_q] layout
   (padding exists inside this reference only).
 
-The CUDA backend (FlashAttention / FlexAttention over the same block tables) plugs in here.
+- ``TritonAttention``: the CUDA backend, a Triton kernel over the same block tables
+  (``adaptspec_kernels.triton_attention``); needs only torch and triton.
 """
 from __future__ import annotations
 
@@ -93,3 +94,36 @@ class TorchAttention(AttentionBackend):
         a = F.scaled_dot_product_attention(q_pad.transpose(1, 2), keys.to(q.dtype), values.to(q.dtype),
                                            attn_mask=mask, enable_gqa=Hkv != H)  # [B, H, max_q, D]
         return a.transpose(1, 2)[seq_of, col].reshape(N, H * D)
+
+
+class TritonAttention(AttentionBackend):
+    """Rotary embedding and the cache write in torch (a handful of fused-by-torch element-wise
+    ops), the attention itself in one Triton launch over every row of the step."""
+
+    name = "triton"
+
+    def prepare(self, batch: FlatBatch):
+        dev = batch.input_ids.device
+        nq = torch.tensor(batch.num_tokens, device=dev)
+        seq_of = torch.repeat_interleave(torch.arange(batch.num_seqs, device=dev, dtype=torch.int32), nq,
+                                         output_size=batch.total_tokens)
+        cos, sin = self.cos[batch.positions][:, None], self.sin[batch.positions][:, None]  # [N, 1, D]
+        return seq_of, cos, sin
+
+    def attend(self, qkv, k_cache, v_cache, batch, meta):
+        from adaptspec_kernels.triton_attention import paged_attention
+
+        seq_of, cos, sin = meta
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        N = qkv.shape[0]
+        q = qkv[:, :H * D].view(N, H, D)
+        k = qkv[:, H * D:(H + Hkv) * D].view(N, Hkv, D)
+        v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        bs = k_cache.shape[2]
+        slot = batch.slot_mapping
+        k_cache[slot // bs, :, slot % bs] = k.to(k_cache.dtype)
+        v_cache[slot // bs, :, slot % bs] = v.to(v_cache.dtype)
+        out = paged_attention(q, k_cache, v_cache, seq_of, batch.positions, batch.block_tables, D ** -0.5)
+        return out.reshape(N, H * D)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from adaptspec.models import cpu_gemm
-from adaptspec.models.attention import CpuAttention, TorchAttention
+from adaptspec.models.attention import CpuAttention, TorchAttention, TritonAttention
 from adaptspec.models.batch import FlatBatch
 
 @dataclass(slots=True)
@@ -180,6 +180,8 @@ class LlamaModel:
         heads = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin)
         self._cpu_attn = CpuAttention(*heads) if self.fused else None
         self._torch_attn = TorchAttention(*heads)
+        # on CUDA the Triton kernel (only torch + triton needed); the torch reference elsewhere
+        self._cuda_attn = TritonAttention(*heads) if self.device.type == "cuda" and _triton_ok() else None
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.num_blocks = 0
@@ -203,7 +205,9 @@ class LlamaModel:
     @property
     def attn(self):
         """The attention backend: the C kernel with the fused CPU path, torch otherwise."""
-        return self._cpu_attn if self.fused else self._torch_attn
+        if self.fused:
+            return self._cpu_attn
+        return self._cuda_attn or self._torch_attn
 
     # ---- KV cache --------------------------------------------------------------------
     def kv_bytes_per_block(self, block_size: int) -> int:
@@ -318,3 +322,9 @@ class LlamaModel:
         if self.matmul == "packed":
             return self.lm_head.unpacked().t()
         return self.lm_head.t() if self.fast else self.lm_head
+
+
+def _triton_ok() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None

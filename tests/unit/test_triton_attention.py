@@ -1,0 +1,65 @@
+"""The Triton paged-attention kernel (the CUDA backend) against the torch reference backend,
+under the Triton interpreter on the CPU (compiled on a GPU)."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from adaptspec_kernels.testing import load_kernels_or_skip
+
+_, DEVICE = load_kernels_or_skip()
+from adaptspec_kernels.triton_attention import paged_attention  # noqa: E402  (after the interpreter is chosen)
+
+from adaptspec.models.attention import TorchAttention, TritonAttention  # noqa: E402
+from adaptspec.models.batch import FlatBatch  # noqa: E402
+
+
+def _setup(H=4, Hkv=2, D=16, BS=16, ctx=(0, 37, 5), rows=(9, 1, 5), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    nb = 16
+    ids = list(range(nb))
+    random.Random(seed).shuffle(ids)  # no sequence's blocks are contiguous
+    tables = [ids[0:5], ids[5:10], ids[10:15]]
+    tokens = [torch.randint(0, 50, (n,), generator=g).tolist() for n in rows]
+    batch = FlatBatch.build(tokens, list(ctx), tables, [], BS, "cpu")
+    kc = torch.randn(nb, Hkv, BS, D, generator=g)
+    vc = torch.randn(nb, Hkv, BS, D, generator=g)
+    qkv = torch.randn(batch.total_tokens, (H + 2 * Hkv) * D, generator=g)
+    pos = torch.arange(64, dtype=torch.float32)[:, None] * torch.linspace(0.01, 1, D // 2)[None, :]
+    emb = torch.cat([pos, pos], -1)
+    return batch, kc, vc, qkv, emb.cos(), emb.sin(), (H, Hkv, D)
+
+
+@pytest.mark.parametrize("heads", [(4, 2, 16), (4, 4, 32), (6, 2, 16)])
+def test_triton_backend_matches_the_torch_reference(heads):
+    """A prompt chunk over an empty context, a decode token over 37 cached keys and a 5-token
+    verification row over 5, through shuffled blocks: outputs and the written caches agree."""
+    H, Hkv, D = heads
+    batch, kc, vc, qkv, cos, sin, _ = _setup(H, Hkv, D)
+    ref, tri = TorchAttention(H, Hkv, D, cos, sin), TritonAttention(H, Hkv, D, cos, sin)
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = ref.attend(qkv.clone(), kc, vc, batch, ref.prepare(batch))
+    got = tri.attend(qkv.clone(), kc2, vc2, batch, tri.prepare(batch))
+    assert torch.allclose(kc, kc2) and torch.allclose(vc, vc2)
+    assert (got - want).abs().max() <= 2e-5
+
+
+def test_the_comparison_can_fail():
+    """Attending one key short (a position off by one) is caught by the same tolerance."""
+    batch, kc, vc, qkv, cos, sin, (H, Hkv, D) = _setup()
+    tri = TritonAttention(H, Hkv, D, cos, sin)
+    seq_of, c, s = tri.prepare(batch)
+    q = qkv[:, :H * D].view(-1, H, D)
+    good = paged_attention(q, kc, vc, seq_of, batch.positions, batch.block_tables, D ** -0.5)
+    short = paged_attention(q, kc, vc, seq_of, (batch.positions - 1).clamp(min=0), batch.block_tables, D ** -0.5)
+    assert (good[1:] - short[1:]).abs().max() > 1e-3
+
+
+def test_bad_shapes_are_refused():
+    q = torch.zeros(1, 4, 12)
+    kc = torch.zeros(2, 2, 16, 12)
+    with pytest.raises(ValueError, match="powers of two"):
+        paged_attention(q, kc, kc, torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.long),
+                        torch.zeros(1, 2, dtype=torch.int32), 1.0)
