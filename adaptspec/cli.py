@@ -25,6 +25,7 @@ def _register_all() -> None:
     from adaptspec.sim.fidelity_cli import register as register_fidelity
     from adaptspec.tools.engine_ab import register as register_ab
     from adaptspec.tools.prefix_bench import register as register_prefix
+    from adaptspec.tools.demo import register as register_demo
 
     register_models(app)
     register_engine(app)
@@ -34,6 +35,7 @@ def _register_all() -> None:
     register_fidelity(app)
     register_ab(app)
     register_prefix(app)
+    register_demo(app)
 
 
 _register_all()

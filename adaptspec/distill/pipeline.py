@@ -109,7 +109,7 @@ def generate_phase(plan: Plan, console=None) -> None:
     """The benchmark's prompts (the final held-out set), held-out and training prompts,
     answered greedily by the target."""
     from adaptspec.distill.data import generate
-    from adaptspec.engine.bench import load_prompts
+    from adaptspec.tools.bench import load_prompts
 
     plan.run.mkdir(parents=True, exist_ok=True)
     _, _, order, held_order = _prompts(plan)

@@ -77,7 +77,7 @@ def bench(
     json_path: Optional[str] = typer.Option(None, "--json", help="write all results to this JSON file"),
 ) -> None:
     """Benchmark plain vs speculative decoding against transformers (tokens/s, acceptance, bound)."""
-    from adaptspec.engine.bench import BenchConfig, run_bench
+    from adaptspec.tools.bench import BenchConfig, run_bench
 
     cfg = BenchConfig(target=target, drafts=_csv(draft or ""), drafters=_csv(drafters), dtypes=_csv(dtype), batches=[int(x) for x in _csv(batch)],
                       ks=[int(x) for x in _csv(k)], classes=_csv(classes), max_new_tokens=max_new_tokens,
@@ -91,7 +91,7 @@ def demo(
     dtype: str = typer.Option("float32"),
 ) -> None:
     """Pull the default models and decode the same prompts plainly and speculatively, side by side."""
-    from adaptspec.engine.demo import run_demo
+    from adaptspec.tools.compare import run_demo
 
     run_demo(max_new_tokens=max_new_tokens, dtype=dtype)
 

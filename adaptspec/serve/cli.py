@@ -17,7 +17,6 @@ def register(app: typer.Typer) -> None:
     app.command("stats")(stats)
     app.command("policy")(policy)
     app.command("loadtest")(loadtest)
-    app.command("demo")(demo)
 
 
 def how_to_call(address: str, app_name: str) -> str:
@@ -588,18 +587,3 @@ def _overhead(client, n: int, reps: int, max_tokens: int, config: Optional[str],
     engine = build_engine(load_config(config), target=target, torch_threads=torch_threads)
     prompts = [p for ps in bench_prompts().values() for p in ps][:n]
     return measure_overhead(client, engine, prompts, max_tokens, reps, health_checks=100)
-
-
-@fail_cleanly
-def demo(
-    config: Optional[str] = typer.Option(None, help="service config YAML (default: embedded SmolLM2 + draft)"),
-    levels: str = typer.Option("1,4,8,16,8,4,1", help="the concurrency ramp"),
-    level_seconds: float = typer.Option(10.0, help="seconds per ramp level"),
-    max_tokens: int = typer.Option(48),
-    plot: str = typer.Option("adaptspec_demo.png", help="where to write the PNG plot"),
-    keep_running: bool = typer.Option(True, help="leave the service up until Ctrl-C"),
-) -> None:
-    """Start the embedded service, ramp mixed-class load through gRPC, show what the controller picks."""
-    from adaptspec.serve.demo import run_demo
-
-    run_demo(config, [int(x) for x in levels.split(",") if x], level_seconds, max_tokens, plot, keep_running)

@@ -3,7 +3,7 @@ bound's formula assumes; accepted / drafted does not (the negative control)."""
 import numpy as np
 import pytest
 
-from adaptspec.engine.bench import analytic_bound, token_acceptance, verify_cost
+from adaptspec.tools.bench import analytic_bound, token_acceptance, verify_cost
 from adaptspec.engine.stats import RequestStepStats, StepStats
 
 
@@ -58,7 +58,7 @@ def test_bench_interleaves_methods_and_checks_exactness(tiny_dir, tiny_draft_dir
     """`adaptspec bench` end to end on tiny models: every method runs every prompt, the
     methods take turns chunk by chunk (a slow minute hits them alike), and the greedy
     speculative rows give the plain tokens."""
-    from adaptspec.engine import bench
+    from adaptspec.tools import bench
 
     calls = []
     monkeypatch.setattr(bench, "load_prompts", lambda: {"a": ["t1 t2 t3", "t4 t5", "t6 t7 t8 t9"], "b": ["t2 t2"]})
@@ -93,7 +93,7 @@ def test_bench_interleaves_methods_and_checks_exactness(tiny_dir, tiny_draft_dir
 def test_bench_repeats_run_every_chunk_again(tiny_dir, tiny_draft_dir, monkeypatch):
     """--repeats 2: every method runs every prompt twice (rotation continuing across rounds),
     tokens double, and the greedy rows still equal the plain tokens."""
-    from adaptspec.engine import bench
+    from adaptspec.tools import bench
     from adaptspec.engine.engine import Engine
 
     monkeypatch.setattr(bench, "load_prompts", lambda: {"a": ["t1 t2 t3", "t4 t5"]})

@@ -359,7 +359,7 @@ def _print(con: Console, rows: list[BenchRow]) -> None:
 def markdown_report(data: dict) -> str:
     """Goal checks and every row of a ``--json`` result, as markdown.
 
-        python -m adaptspec.engine.bench bench.json > report.md
+        python -m adaptspec.tools.bench bench.json > report.md
     """
     rows = data["rows"]
     meta = data.get("meta", {})
@@ -411,9 +411,9 @@ def markdown_report(data: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-if __name__ == "__main__":  # python -m adaptspec.engine.bench RESULT.json
+if __name__ == "__main__":  # python -m adaptspec.tools.bench RESULT.json
     import sys
 
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m adaptspec.engine.bench RESULT.json   (a file `adaptspec bench --json` wrote)")
+        sys.exit("usage: python -m adaptspec.tools.bench RESULT.json   (a file `adaptspec bench --json` wrote)")
     print(markdown_report(json.loads(open(sys.argv[1]).read())), end="")

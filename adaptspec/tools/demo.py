@@ -12,7 +12,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from adaptspec.clierr import console as _console
+from typing import Optional
+
+import typer
+
+from adaptspec.clierr import console as _console, fail_cleanly
 
 CLASSES = ["chat", "code_edit", "extraction"]
 
@@ -143,3 +147,20 @@ def write_plot(samples: list[Sample], path: str) -> str:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+@fail_cleanly
+def demo(
+    config: Optional[str] = typer.Option(None, help="service config YAML (default: embedded SmolLM2 + draft)"),
+    levels: str = typer.Option("1,4,8,16,8,4,1", help="the concurrency ramp"),
+    level_seconds: float = typer.Option(10.0, help="seconds per ramp level"),
+    max_tokens: int = typer.Option(48),
+    plot: str = typer.Option("adaptspec_demo.png", help="where to write the PNG plot"),
+    keep_running: bool = typer.Option(True, help="leave the service up until Ctrl-C"),
+) -> None:
+    """Start the embedded service, ramp mixed-class load through gRPC, show what the controller picks."""
+    run_demo(config, [int(x) for x in levels.split(",") if x], level_seconds, max_tokens, plot, keep_running)
+
+
+def register(app) -> None:
+    app.command("demo")(demo)
