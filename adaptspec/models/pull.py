@@ -13,7 +13,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-from adaptspec.models.registry import BUILTIN, alias_dir, is_complete, models_dir
+from adaptspec.models.catalog import BUILTIN, alias_dir, is_complete, models_dir
 
 console = Console(stderr=True)
 
@@ -24,7 +24,7 @@ def pull(alias: str, *, force: bool = False, quiet: bool = False) -> Path:
         raise ValueError(f"model {alias!r} is not a built-in alias ({', '.join(sorted(BUILTIN))})")
     spec = BUILTIN[alias]
     if spec.packaged:  # shipped inside the package: nothing to download
-        from adaptspec.models.registry import packaged_dir
+        from adaptspec.models.catalog import packaged_dir
 
         out = packaged_dir(alias)
         if not quiet:
