@@ -300,6 +300,9 @@ def loadtest(
                                          "this many prompts (needs the service's models locally)"),
     overhead_reps: int = typer.Option(3, help="runs of each overhead prompt through each path"),
     overhead_only: bool = typer.Option(False, help="measure only the overhead (no load levels)"),
+    http_overhead: int = typer.Option(0, help="also measure the OpenAI-compatible HTTP API's per-request cost over "
+                                              "gRPC on this many paired requests (one prompt through both, back to "
+                                              "back; --http-url; under the last of --policies, else as deployed)"),
     config: Optional[str] = typer.Option(None, help="the service's config YAML: the in-process baseline "
                                                     "copies its model, dtype, KV slots and torch threads"),
     target: Optional[str] = typer.Option(None, help="model for the in-process baseline (default: the config's)"),
@@ -367,6 +370,9 @@ def loadtest(
                 levels if pols else [], pols, rounds, fresh, spec, console, current=lambda: c.policy().policy,
                 switch=lambda p, reset: c.update_policy(p, reset=reset),
                 run_one=lambda n: run_level(load, n, duration, spec, warmup_s=warmup))
+            if http_overhead:
+                http_vs_grpc = _http_overhead(c, HttpClient(f"{http_url.rstrip('/')}/{app_name}", api_key),
+                                              http_overhead, spec, [p for p in policies.split(",") if p], console)
             if policies and deployed != c.policy().policy:
                 c.update_policy(deployed)
             if overhead:
@@ -384,6 +390,8 @@ def loadtest(
                     f"same tokens {over['same_tokens']}/{over['requests']}; "
                     f"a Health/Check round trip (the path without engine work) p50 "
                     f"{over['health_check_p50_s'] * 1e3:.1f} ms")
+        if http_overhead:
+            over = {**(over or {}), "http_vs_grpc": http_vs_grpc}
         probed = bg.stop()
         if probed:
             console.print(f"probes: {probed['clients']} clients, {probed['calls_per_s']:.0f} Health/Check "
@@ -460,6 +468,23 @@ def _span(text: str | None, name: str) -> tuple[int, int] | None:
     if not 1 <= lo <= hi:
         raise ValueError(f"{name}: need 1 <= LO <= HI, got {text!r}")
     return lo, hi
+
+
+def _http_overhead(c, http, n: int, spec, pols: list[str], console) -> dict:
+    """``loadtest --http-overhead``: paired HTTP vs gRPC requests (in the JSON: ``overhead.http_vs_grpc``)."""
+    from adaptspec.serve.loadtest import measure_http_overhead
+
+    if pols and c.policy().policy != pols[-1]:
+        c.update_policy(pols[-1])
+    h = measure_http_overhead(c, http, n, spec.max_tokens, spec.classes)
+    ms = lambda k: f"{h[k] * 1e3:.1f}"  # noqa: E731
+    ci = lambda k: " to ".join(f"{x * 1e3:.1f}" for x in h[k])  # noqa: E731
+    console.print(f"HTTP vs gRPC ({h['requests']} paired requests of {spec.max_tokens} tokens, {h['errors']} with an "
+                  f"error): E2E p50 {ms('http_e2e_p50_s')} vs {ms('grpc_e2e_p50_s')} ms, difference p50 "
+                  f"{ms('e2e_diff_p50_s')} ms (95% interval {ci('e2e_diff_p50_ci95_s')}); TTFT p50 "
+                  f"{ms('http_ttft_p50_s')} vs {ms('grpc_ttft_p50_s')} ms, difference p50 {ms('ttft_diff_p50_s')} "
+                  f"ms (95% interval {ci('ttft_diff_p50_ci95_s')}); same tokens {h['same_tokens']}/{h['requests']}")
+    return h
 
 
 def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, switch, run_one) -> list:

@@ -408,6 +408,41 @@ def overhead_summary(pairs: list[OverheadPair], max_tokens: int) -> dict:
     }
 
 
+def measure_http_overhead(client: Client, http: "HttpClient", n: int, max_tokens: int, classes: list[str],
+                          warmup: int = 2) -> dict:
+    """The OpenAI-compatible HTTP API's per-request cost over gRPC on the same deployment, as
+    paired differences: request ``i``'s prompt goes through both, streamed and greedy, back to
+    back, the order alternating, one request at a time, so drift in the machine's load hits
+    both sides alike (separate runs of each protocol differed by more than the effect).
+    Reported: p50 of each side's E2E and TTFT, and of the per-pair differences (HTTP - gRPC)
+    with 95% bootstrap intervals; ``same_tokens``: pairs that streamed as many tokens."""
+    prompts, spec = bench_prompts(), LoadSpec(classes, max_tokens)
+    for i in range(warmup):  # first calls pay for connections and lazy init on both sides
+        for c in (client, http):
+            one_request(c, pick_prompt(prompts, classes, i)[2], classes[0], spec)
+    pairs, errors = [], 0
+    for i in range(n):
+        cls, _, prompt = pick_prompt(prompts, classes, i)
+        got = {}
+        for name in (("grpc", "http") if i % 2 == 0 else ("http", "grpc")):
+            got[name] = one_request(client if name == "grpc" else http, prompt, cls, spec)
+        if got["grpc"].error or got["http"].error:
+            errors += 1
+            continue
+        pairs.append((got["grpc"], got["http"]))
+    med = lambda xs: float(np.median(xs)) if xs else 0.0  # noqa: E731
+    d_e2e = [h.e2e_s - g.e2e_s for g, h in pairs]
+    d_ttft = [h.ttft_s - g.ttft_s for g, h in pairs]
+    return {
+        "requests": len(pairs), "errors": errors, "max_tokens": max_tokens,
+        "grpc_e2e_p50_s": med([g.e2e_s for g, _ in pairs]), "http_e2e_p50_s": med([h.e2e_s for _, h in pairs]),
+        "grpc_ttft_p50_s": med([g.ttft_s for g, _ in pairs]), "http_ttft_p50_s": med([h.ttft_s for _, h in pairs]),
+        "e2e_diff_p50_s": med(d_e2e), "e2e_diff_p50_ci95_s": median_ci95(d_e2e),
+        "ttft_diff_p50_s": med(d_ttft), "ttft_diff_p50_ci95_s": median_ci95(d_ttft),
+        "same_tokens": sum(g.tokens == h.tokens for g, h in pairs),
+    }
+
+
 def as_json(levels: list[LevelSummary], overhead: dict | None = None, probes: dict | None = None) -> str:
     return json.dumps({"levels": [asdict(x) for x in levels], "overhead": overhead, "probes": probes}, indent=2)
 

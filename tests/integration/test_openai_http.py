@@ -416,7 +416,7 @@ def test_smollm_chat_over_http_equals_grpc(service, smollm_dir):
 
 def test_loadtest_command_over_http(service, tmp_path):
     """``adaptspec loadtest --protocol http``: the load through the HTTP API, every request
-    answered; the policy switch still goes through gRPC."""
+    answered; the policy switch still goes through gRPC; ``--http-overhead``: paired requests."""
     from typer.testing import CliRunner
 
     from adaptspec.cli import app
@@ -427,11 +427,17 @@ def test_loadtest_command_over_http(service, tmp_path):
     res = CliRunner().invoke(app, ["loadtest", "--address", client.address, "--protocol", "http", "--http-url",
                                    f"http://127.0.0.1:{HTTP_PORT}", "--api-key", KEY_A, "--concurrency", "2",
                                    "--duration", "1.0", "--warmup", "0.5", "--max-tokens", "8",
-                                   "--classes", "chat,plain", "--policies", "static:none:0", "--json", str(out)])
+                                   "--classes", "chat,plain", "--policies", "static:none:0", "--http-overhead", "4",
+                                   "--json", str(out)])
     assert res.exit_code == 0, res.output
-    (level,) = json.loads(out.read_text())["levels"]
+    data = json.loads(out.read_text())
+    (level,) = data["levels"]
     assert level["requests"] > 0 and level["errors"] == 0 and level["ttft_p50_s"] > 0
     assert set(level["arms"]) <= {"chat", "plain"} and all(set(a) == {"none:0"} for a in level["arms"].values())
+    # the paired comparison: greedy on one arm, so each prompt streams as many tokens both ways
+    pairs = data["overhead"]["http_vs_grpc"]
+    assert pairs["requests"] == 4 and pairs["errors"] == 0 and pairs["same_tokens"] == 4
+    assert pairs["grpc_e2e_p50_s"] > 0 and pairs["http_e2e_p50_s"] > 0
 
 
 def test_engine_gone_is_503(service):
