@@ -113,6 +113,7 @@ def stochastic_verify_from_logits(
     *,
     top_k: torch.Tensor | None = None,  # [num_reqs] int, 0 = no cut; None: no request cuts
     top_p: torch.Tensor | None = None,  # [num_reqs] float in (0, 1]; None: no request cuts
+    probs_fn=None,  # (logits, temperature, top_k, top_p per row) -> probs: the caller's torch cuts
     max_num_draft_tokens: int | None = None,
     cu_num_draft_tokens: torch.Tensor | None = None,  # [num_reqs + 1] int64
     block_size: int = DEFAULT_BLOCK_SIZE,
@@ -120,12 +121,15 @@ def stochastic_verify_from_logits(
     """Exact rejection sampling with the temperature softmax fused into the kernels.
 
     top-k / top-p are not fused: when either is given the target probabilities are built by
-    the torch ``logits_to_probs`` and the probability kernel verifies them. Pass ``None``
-    when no request in the batch cuts (the engine knows this on the host).
+    ``probs_fn`` (the engine passes its torch ``logits_to_probs``; this package does not
+    import the engine) and the probability kernel verifies them. Pass ``None`` when no
+    request in the batch cuts (the engine knows this on the host).
     """
     num_reqs = num_draft_tokens.numel()
     if top_k is not None or top_p is not None:
-        from adaptspec.engine.sampling import logits_to_probs
+        if probs_fn is None:
+            raise ValueError("top_k/top_p: pass probs_fn, the function that applies the cuts")
+        logits_to_probs = probs_fn
 
         rows_per_req = num_draft_tokens.to(device=target_logits.device, dtype=torch.int64) + 1
         def per_row(x, fill):  # [num_reqs] -> [num_tokens]

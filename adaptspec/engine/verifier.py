@@ -222,9 +222,11 @@ def verify_stochastic_from_logits_dispatch(
     if (backend or select_backend(target_logits.device)) == "triton":
         from adaptspec_kernels.verify import stochastic_verify_from_logits
 
+        from adaptspec.engine.sampling import logits_to_probs
+
         return VerifyResult(*stochastic_verify_from_logits(
             target_logits, temperature, draft_token_ids, draft_probs, num_draft_tokens,
-            uniform_accept, uniform_sample, top_k=top_k, top_p=top_p,
+            uniform_accept, uniform_sample, top_k=top_k, top_p=top_p, probs_fn=logits_to_probs,
             max_num_draft_tokens=max_num_draft_tokens))
     from adaptspec.engine.sampling import logits_to_probs
 

@@ -175,8 +175,10 @@ def test_stochastic_top_k_top_p_falls_back_to_torch_probs(monkeypatch):
             batch.uniform_sample)
     ref = verifier.verify_stochastic_from_logits_dispatch(batch.target_logits, batch.temperature, top_k, top_p,
                                                           *args)
+    from adaptspec.engine.sampling import logits_to_probs
+
     got = kv.stochastic_verify_from_logits(batch.target_logits, batch.temperature, *args, top_k=top_k,
-                                           top_p=top_p, block_size=BLOCK)
+                                           top_p=top_p, probs_fn=logits_to_probs, block_size=BLOCK)
     _assert_same(ref, got)
     assert got[0].shape == (num_reqs, max(RAGGED) + 1)
 

@@ -19,7 +19,7 @@ _, DEVICE = load_kernels_or_skip()
 
 
 def test_bench_runs_on_tiny_sizes(tmp_path, capsys):
-    from adaptspec_kernels import bench
+    from adaptspec.tools import kernel_bench as bench
 
     out = tmp_path / "bench.json"
     rows = bench.main(["--device", DEVICE, "--batch", "2", "--k", "0", "3", "--vocab", "100",

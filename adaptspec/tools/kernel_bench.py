@@ -1,6 +1,6 @@
 """Verification kernels against the pure-torch verifier: wall time per call, one table.
 
-    python -m adaptspec_kernels.bench --device cuda [--json out.json]
+    python -m adaptspec.tools.kernel_bench --device cuda [--json out.json]
 
 Grid: batch {1, 64, 256} x k {1, 4, 8} x vocabulary {32k, 128k}, every request drafting k
 tokens with a draft distribution q (draft-model drafting), target logits in --dtype.
@@ -127,7 +127,7 @@ def machine(device: str) -> dict:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    ap = argparse.ArgumentParser(prog="python -m adaptspec_kernels.bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m adaptspec.tools.kernel_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
     ap.add_argument("--k", type=int, nargs="+", default=[1, 4, 8])
