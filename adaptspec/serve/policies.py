@@ -44,7 +44,7 @@ def load_cost_prior(spec: str | None, *, target: str, dtype: str, device: str):
     """The step-cost prior named by ``controller.cost_profile`` (None: none)."""
     if spec is None:
         return None
-    from adaptspec.sim.gpu import BUILTIN, builtin_profile
+    from adaptspec.control.gpu_profiles import BUILTIN, builtin_profile
 
     if spec == "auto":
         if target == "smollm2-135m" and device == "cpu" and dtype in ("float32", "bfloat16"):
@@ -52,7 +52,7 @@ def load_cost_prior(spec: str | None, *, target: str, dtype: str, device: str):
         return None
     if spec in BUILTIN:
         return builtin_profile(spec)
-    from adaptspec.sim.costs import ProfileCostModel
+    from adaptspec.control.costs import ProfileCostModel
 
     try:
         return ProfileCostModel.load(spec)
@@ -73,7 +73,7 @@ def measured_cpu_prior(dtype: str):
     speculation)."""
     from importlib import resources
 
-    from adaptspec.sim.costs import ProfileCostModel
+    from adaptspec.control.costs import ProfileCostModel
 
     name = "cpu-smollm2-135m-" + ("fp32" if dtype == "float32" else "bf16") + "-measured.json"
     with resources.as_file(resources.files("adaptspec.data").joinpath("profiles").joinpath(name)) as path:

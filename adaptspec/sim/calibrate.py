@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from adaptspec.sim.costs import ProfileCostModel, ProfileFile
+from adaptspec.control.costs import ProfileCostModel, ProfileFile
 
 
 @dataclass(slots=True)

@@ -106,7 +106,7 @@ def build_prompt_set(engine, classes: list[str], live: dict, max_tokens: int):
 
 def sim_profile(profile_path: str | Path, cfg, engine):
     """The calibrated profile with the live engine's limits: KV slots, KV tokens, step token budget."""
-    from adaptspec.sim.costs import ProfileCostModel
+    from adaptspec.control.costs import ProfileCostModel
 
     model = ProfileCostModel.load(profile_path)
     ec = getattr(engine, "config", None)

@@ -1,4 +1,4 @@
-"""Fit the per-layer linear-operator curves shipped in ``adaptspec.sim.gpu``.
+"""Fit the per-layer linear-operator curves shipped in ``adaptspec.control.gpu_profiles``.
 
 Run: ``python -m adaptspec.sim.fit_profiles ../shared/data/profiles`` prints the table
 ``LAYER_MS`` (milliseconds per transformer layer at each token count) that gpu.py holds.

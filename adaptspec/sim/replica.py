@@ -21,7 +21,7 @@ from adaptspec.control import Arm, GroupOutcome, Load, Policy, StepOutcome
 from adaptspec.control.admission import SloAdmission
 from adaptspec.control.types import CONF_BINS, ConfidenceCounts, conf_bin
 from adaptspec.sim.acceptance import AcceptanceModel, ConfidenceAcceptance
-from adaptspec.sim.costs import ProfileCostModel
+from adaptspec.control.costs import ProfileCostModel
 from adaptspec.sim.workload import Requests
 
 

@@ -34,8 +34,8 @@ from adaptspec.sim.acceptance import (
     PositionAcceptance,
     ReplayAcceptance,
 )
-from adaptspec.sim.costs import ProfileCostModel
-from adaptspec.sim.gpu import builtin_profile
+from adaptspec.control.costs import ProfileCostModel
+from adaptspec.control.gpu_profiles import builtin_profile
 from adaptspec.sim.metrics import SLO, RunMetrics, compute_metrics
 from adaptspec.sim.replica import ClassTruth
 from adaptspec.sim.lookahead import LookaheadOracle

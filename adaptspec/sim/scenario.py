@@ -229,7 +229,7 @@ class SweepSpec(_Strict):
 
 # ---- hardware and policies -----------------------------------------------------------
 class HardwareSpec(_Strict):
-    profile: str | None = Field(None, description="built-in profile name (see adaptspec.sim.gpu)")
+    profile: str | None = Field(None, description="built-in profile name (see adaptspec.control.gpu_profiles)")
     profile_file: str | None = Field(None, description="profile JSON (relative to the scenario)")
     replicas: int = Field(1, ge=1, description="replicas behind the router")
     router: Literal["round_robin", "least_loaded", "random"] = Field("least_loaded", description="routing rule")

@@ -10,7 +10,7 @@ import numpy as np
 
 from adaptspec.control import Policy
 from adaptspec.control.admission import SloAdmission
-from adaptspec.sim.costs import ProfileCostModel
+from adaptspec.control.costs import ProfileCostModel
 from adaptspec.sim.replica import ClassTruth, Recorder, Replica
 from adaptspec.sim.workload import Requests
 

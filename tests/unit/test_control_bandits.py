@@ -16,7 +16,7 @@ from adaptspec.control import (
     DiscountedUCB, GroupOutcome, Load, ModelBasedThompson, PolicyConfig, StepOutcome, ThompsonConfig, UCBConfig,
 )
 from adaptspec.sim.acceptance import BernoulliAcceptance, PositionAcceptance, mean_accepted_length
-from adaptspec.sim.gpu import builtin_profile
+from adaptspec.control.gpu_profiles import builtin_profile
 
 N = 8  # requests per class
 CTX = 1000  # context per request

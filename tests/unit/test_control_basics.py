@@ -164,7 +164,7 @@ def test_a_cost_model_seeded_from_a_profile_predicts_the_profile():
     and keeps its per-step overhead apart (the learned other_s adds it once); discounting
     then keeps the profile as the prior: steps seen only at one size leave the rest of the
     curve where the profile put it."""
-    from adaptspec.sim.gpu import builtin_profile
+    from adaptspec.control.gpu_profiles import builtin_profile
 
     prof = builtin_profile("h100-8b-1b")
     model = OnlineStepCost()

@@ -292,7 +292,7 @@ def test_controller_core_aggregates_pins_and_refuses_bad_updates():
 
 def test_auto_cost_prior_is_the_measured_cpu_profile_of_the_default_models():
     from adaptspec.serve.policies import load_cost_prior
-    from adaptspec.sim.gpu import builtin_profile
+    from adaptspec.control.gpu_profiles import builtin_profile
 
     for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16")):
         prior = load_cost_prior("auto", target="smollm2-135m", dtype=dtype, device="cpu")

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 from adaptspec.sim.calibrate import StepSample, fit_profile
-from adaptspec.sim.costs import ProfileCostModel
+from adaptspec.control.costs import ProfileCostModel
 
 
 def test_fit_profile_recovers_verify_context_draft_and_overhead():

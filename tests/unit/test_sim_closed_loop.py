@@ -8,7 +8,7 @@ import pytest
 
 from adaptspec.control import Arm, PolicyConfig, StaticPolicy
 from adaptspec.sim.closed_loop import PromptSet, RequestSource, open_loop_requests, simulate_closed_loop
-from adaptspec.sim.costs import ProfileCostModel, ProfileFile
+from adaptspec.control.costs import ProfileCostModel, ProfileFile
 from adaptspec.sim.replica import ClassTruth
 from adaptspec.sim.acceptance import BernoulliAcceptance
 from adaptspec.sim.scenario import ClassSpec, ThinkTimeSpec, WorkloadSpec, parse_scenario

@@ -5,8 +5,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from adaptspec.sim import gpu
-from adaptspec.sim.costs import ProfileCostModel, ProfileFile
+from adaptspec.control import gpu_profiles as gpu
+from adaptspec.control.costs import ProfileCostModel, ProfileFile
 
 SHARED = Path(__file__).resolve().parents[3] / "shared"
 

@@ -1,0 +1,137 @@
+"""Cost models of the simulator: step time from a profile (CPU-measured, GPU-built, user's).
+
+Step = draft + verify + overhead, where
+- verify_s = table(verify_tokens) + verify_context_s_per_token * context_tokens
+  (the table holds every token-proportional part: linear layers, output layer, collectives;
+  the context term is the KV cache read by attention, bytes / bandwidth);
+- draft_s = sum over drafted positions j of [table_d(n_j) + draft_context_s_per_token * n_j *
+  mean context] for the draft model (n_j requests still drafting at j), plus
+  ngram_s_per_request per n-gram request;
+- other_s = step_overhead_s (scheduling, sampling, host work).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ProfileFile(BaseModel):
+    """A step-cost profile file (JSON), as ``adaptspec calibrate`` writes it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(description="what was measured (machine, models, dtype)")
+    verify_tokens: list[float] = Field(description="token counts of the verification pass (ascending)")
+    verify_s: list[float] = Field(description="seconds of the verification pass at each token count, without context")
+    verify_context_s_per_token: float = Field(0.0, ge=0, description="extra verify seconds per KV token read")
+    draft_batch: list[float] = Field(default_factory=lambda: [1.0], description="batch sizes of one draft forward (ascending)")
+    draft_s: list[float] = Field(default_factory=lambda: [0.0], description="seconds of one draft forward at each batch size")
+    draft_context_s_per_token: float = Field(0.0, ge=0, description="extra draft seconds per KV token read")
+    ngram_s_per_request: float = Field(0.0, ge=0, description="seconds of an n-gram lookup per request")
+    step_overhead_s: float = Field(0.0, ge=0, description="fixed seconds per step (host work)")
+    kv_capacity_tokens: int = Field(1_000_000, gt=0, description="KV cache capacity in tokens")
+    max_num_seqs: int = Field(256, gt=0, description="most running requests")
+    max_batched_tokens: int = Field(8192, gt=0, description="token budget of one step (chunked prefill)")
+    calibrated: bool = Field(False, description="true when measured from the live engine")
+    notes: list[str] = Field(default_factory=list, description="assumptions and provenance")
+
+    @model_validator(mode="after")
+    def _check(self) -> "ProfileFile":
+        for xs, ys, name in ((self.verify_tokens, self.verify_s, "verify"), (self.draft_batch, self.draft_s, "draft")):
+            if len(xs) != len(ys) or not xs:
+                raise ValueError(f"{name}_s: needs one value per entry of the token/batch list")
+            if any(b <= a for a, b in zip(xs, xs[1:])):
+                raise ValueError(f"{name}: token/batch list must be strictly ascending")
+            if any(y < 0 for y in ys):
+                raise ValueError(f"{name}_s: times must be >= 0")
+        return self
+
+
+@dataclass(slots=True)
+class StepTime:
+    draft_s: float
+    verify_s: float
+    other_s: float
+
+    @property
+    def wall_s(self) -> float:
+        return self.draft_s + self.verify_s + self.other_s
+
+
+def _extrapolating(xs: np.ndarray, ys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Append a far point on the last segment's slope so interpolation extrapolates."""
+    if xs.size < 2:
+        return np.array([xs[0], xs[0] + 1e7]), np.array([ys[0], ys[0]])
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    far = xs[-1] + 1e7
+    return np.append(xs, far), np.append(ys, ys[-1] + slope * 1e7)
+
+
+@dataclass(slots=True)
+class ProfileCostModel:
+    """The true step cost of a simulated replica (also the oracle's cost model)."""
+
+    profile: ProfileFile
+    _vx: np.ndarray = field(init=False)
+    _vy: np.ndarray = field(init=False)
+    _dx: np.ndarray = field(init=False)
+    _dy: np.ndarray = field(init=False)
+
+    def __post_init__(self) -> None:
+        p = self.profile
+        self._vx, self._vy = _extrapolating(np.array(p.verify_tokens), np.array(p.verify_s))
+        self._dx, self._dy = _extrapolating(np.array(p.draft_batch), np.array(p.draft_s))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "ProfileCostModel":
+        try:
+            return cls(ProfileFile.model_validate(json.loads(Path(path).read_text())))
+        except ValidationError as e:
+            raise ValueError(f"profile {path}: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.profile.model_dump(), indent=1))
+
+    def verify_s(self, verify_tokens, context_tokens: float):
+        return np.interp(verify_tokens, self._vx, self._vy) + self.profile.verify_context_s_per_token * context_tokens
+
+    def draft_forward_s(self, batch: np.ndarray, mean_context: float) -> np.ndarray:
+        """Seconds of draft forwards with ``batch`` requests each (0 where batch is 0)."""
+        t = np.interp(batch, self._dx, self._dy) + self.profile.draft_context_s_per_token * batch * mean_context
+        return np.where(batch > 0, t, 0.0)
+
+    def step(self, verify_tokens: int, context_tokens: float, draft_batch: np.ndarray, ngram_requests: int,
+             mean_context: float) -> StepTime:
+        """draft_batch: [K] requests drafting with the draft model at each position."""
+        d = float(self.draft_forward_s(draft_batch, mean_context).sum()) + self.profile.ngram_s_per_request * ngram_requests
+        return StepTime(d, float(self.verify_s(verify_tokens, context_tokens)), self.profile.step_overhead_s)
+
+    @property
+    def step_overhead_s(self) -> float:
+        """The fixed host seconds every step adds (``OnlineStepCost.seed_from`` seeds it apart)."""
+        return self.profile.step_overhead_s
+
+    def step_time(self, verify_tokens, context_tokens, draft_batch, ngram_requests, mean_context):
+        """``control.costmodel.StepCostModel.step_time``: any leading shape, expected draft
+        batches (a position with under one request drafting costs that share of a forward)."""
+        D = np.asarray(draft_batch, dtype=float)
+        p = self.profile
+        fwd = np.interp(np.maximum(D, 1.0), self._dx, self._dy) * np.minimum(D, 1.0)
+        d = fwd.sum(axis=-1) + p.draft_context_s_per_token * D.sum(axis=-1) * mean_context
+        return (self.verify_s(verify_tokens, np.asarray(context_tokens, dtype=float)) + d
+                + p.ngram_s_per_request * np.asarray(ngram_requests, dtype=float) + p.step_overhead_s)
+
+    # the control.costmodel.StepCostModel protocol (used by the oracle and to seed priors)
+    def predict(self, verify_tokens, context_tokens, draft_other, n_class, k_draft, ngram_requests, mean_context):
+        K = max(draft_other.size, int(np.max(k_draft, initial=0)))
+        other = np.zeros(K)
+        other[: draft_other.size] = draft_other
+        batch = other[None, :] + n_class * (np.arange(K)[None, :] < np.asarray(k_draft)[:, None])
+        d = self.draft_forward_s(batch, mean_context).sum(axis=1)
+        v = self.verify_s(verify_tokens, context_tokens)
+        return v + d + self.profile.ngram_s_per_request * np.asarray(ngram_requests) + self.profile.step_overhead_s
+
