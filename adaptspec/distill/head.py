@@ -469,35 +469,50 @@ def build_head(cfg: HeadConfig, state: dict[str, torch.Tensor], target_weights: 
 
 # ---- inference form -------------------------------------------------------------------
 class HeadModel:
-    """A trained head on the engine's paged-KV forward. Shares the target's embedding and
-    output layer (rows ``vocab_ids``); has its own KV slots (same slot ids as the target)."""
+    """A trained head on the engine's paged-KV forward (both architectures). Shares the
+    target's embedding (unless the file carries its own) and output layer rows ``vocab_ids``
+    (unless ``own_lm_head``); its KV pool uses the target's block ids.
+
+    ``forward(x, batch, from_target)`` feeds entries: ``x`` is the target's features
+    (``from_target``) or the head's own output fed back for an invented position; it returns
+    the draft-vocabulary logits of ``batch.logits_indices`` and the output to feed back
+    (adaptspec: the normed g; eagle3: the pre-norm h, or g with ``norm_output``).
+    ``logits_of(out)`` gives the logits of such an output."""
 
     def __init__(self, cfg: HeadConfig, state: dict[str, torch.Tensor], target: LlamaModel):
         tc = target.cfg
-        if cfg.target_vocab_size != tc.vocab_size or cfg.hidden_size != tc.hidden_size:
+        if cfg.target_vocab_size != tc.vocab_size or (cfg.target_hidden_size or cfg.hidden_size) != tc.hidden_size:
             raise ValueError(f"draft: this head was built for a target with vocabulary {cfg.target_vocab_size} "
-                             f"and hidden size {cfg.hidden_size}; the target has {tc.vocab_size} / {tc.hidden_size}")
+                             f"and hidden size {cfg.target_hidden_size or cfg.hidden_size}; the target has "
+                             f"{tc.vocab_size} / {tc.hidden_size}")
+        if cfg.arch == "eagle3" and any(i > tc.num_layers for i in cfg.feature_layers):
+            raise ValueError(f"draft: feature_layers {cfg.feature_layers} go past the target's {tc.num_layers} layers")
         self.cfg = cfg
         dt, dev = target.dtype, target.device
         self.dtype, self.device = dt, dev
         self.vocab_ids = state["vocab_ids"].to(torch.long).to(dev)
         self.reduced = cfg.draft_vocab_size < cfg.target_vocab_size
         self._vocab_list: list[int] | None = None  # vocab_ids on the host, made on first use
-        # the target's output rows for V
-        out = target.output_rows()  # [vocab, hidden]
-        out_v = out.index_select(0, self.vocab_ids)
+        if cfg.own_lm_head:
+            out_v = state["lm_head.weight"]
+        else:  # the target's output rows for V
+            out_v = target.output_rows().index_select(0, self.vocab_ids)
         w = {k: v for k, v in state.items() if k.startswith("model.")}
-        w["model.embed_tokens.weight"] = target.embed  # only for LlamaModel's bookkeeping
+        self.embed = state["embed_tokens.weight"].to(dev, dt) if "embed_tokens.weight" in state else target.embed
+        w["model.embed_tokens.weight"] = self.embed  # only for LlamaModel's bookkeeping
         w["lm_head.weight"] = out_v
         self.decoder = LlamaModel(cfg.llama_config(), w, dt, dev, target.matmul)
-        self.embed = target.embed  # [vocab, hidden], shared
         ct = self.compute_dtype = self.decoder.compute_dtype  # fp32 for bf16 weights on the CPU kernel
-        # the input layer, laid out like the decoder's weights (on the CPU kernel: packed; on
-        # torch it took 0.2-0.5 ms of a 0.45-1.15 ms bf16 drafting position, packed the
-        # positions took 0.30-0.88 ms: SmolLM2's head, batch 1, code edits at k = 4)
+        # the input layer, laid out like the decoder's weights (on the CPU kernel: packed)
         self.fc = self.decoder.lay_weight(state["fc.weight"].to(dev, dt))
-        self.feature_norm = state["feature_norm.weight"].to(dev, ct)
-        self.token_norm = state["token_norm.weight"].to(dev, ct)
+        if cfg.arch == "eagle3":
+            self.hidden_norm = state["model.layers.0.hidden_norm.weight"].to(dev, ct)
+            self.input_norm = state["input_norm.weight"].to(dev, ct) if cfg.norm_before_fc else None
+            self.fc_norms = ([state[f"fc_norm.{i}.weight"].to(dev, ct) for i in range(cfg.num_features)]
+                             if cfg.fc_norm else None)
+        else:
+            self.feature_norm = state["feature_norm.weight"].to(dev, ct)
+            self.token_norm = state["token_norm.weight"].to(dev, ct)
 
     def kv_bytes_per_block(self, block_size: int) -> int:
         return self.decoder.kv_bytes_per_block(block_size)
@@ -506,16 +521,59 @@ class HeadModel:
         self.decoder.allocate_kv(num_blocks, block_size)
 
     @torch.inference_mode()
-    def forward(self, feats: torch.Tensor, batch):
-        """``feats`` [num_tokens, H] (target features, or the head's own g for invented
-        positions) with ``batch.input_ids`` the next tokens -> (draft-vocab logits
-        [num_logits, len(V)], g [num_tokens, H])."""
+    def forward(self, x: torch.Tensor, batch, from_target: bool = True):
+        """``x`` [num_tokens, F] target features (``from_target``) or [num_tokens, H] the
+        head's own fed-back outputs, with ``batch.input_ids`` the next tokens -> (draft-vocab
+        logits [num_logits, len(V)] or None, the output to feed back [num_tokens, H])."""
         eps, H = self.cfg.rms_norm_eps, self.cfg.hidden_size
+        x = x.to(self.compute_dtype)
+        if self.cfg.arch == "eagle3":
+            return self._eagle3(self._fuse(x) if from_target else x, batch)
         e = F.embedding(batch.input_ids, self.embed).to(self.compute_dtype)
-        x = torch.cat([F.rms_norm(feats.to(self.compute_dtype), (H,), self.feature_norm, eps),
-                       F.rms_norm(e, (H,), self.token_norm, eps)], -1)
-        u = self.decoder._mm(x, self.fc)
+        u = self.decoder._mm(torch.cat([F.rms_norm(x, (H,), self.feature_norm, eps),
+                                        F.rms_norm(e, (H,), self.token_norm, eps)], -1), self.fc)
         return self.decoder.forward(batch, inputs_embeds=u)
+
+    def logits_of(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [R, len(V)] of fed-back outputs ``out`` [R, H]."""
+        dec = self.decoder
+        g = out
+        if self.cfg.arch == "eagle3" and not self.cfg.norm_output:
+            g = F.rms_norm(out, (self.cfg.hidden_size,), dec.norm, self.cfg.rms_norm_eps)
+        return dec._mm(g.contiguous(), dec.lm_head)
+
+    def _fuse(self, feats: torch.Tensor) -> torch.Tensor:
+        eps = self.cfg.rms_norm_eps
+        if self.input_norm is not None:
+            feats = F.rms_norm(feats, (feats.shape[-1],), self.input_norm, eps)
+        if self.fc_norms is not None:
+            parts = feats.chunk(len(self.fc_norms), -1)
+            feats = torch.cat([F.rms_norm(p, (p.shape[-1],), w, eps) for p, w in zip(parts, self.fc_norms)], -1)
+        return self.decoder._mm(feats.contiguous(), self.fc)
+
+    def _eagle3(self, h: torch.Tensor, batch):
+        """EAGLE-3's layers: layer 0 takes [token; hidden] (2H wide q/k/v input) with the
+        hidden state as its residual, the others are Llama layers (``DraftHead._layer``)."""
+        c, dec = self.cfg, self.decoder
+        H, I, eps = c.hidden_size, c.intermediate_size, c.rms_norm_eps
+        e = F.embedding(batch.input_ids, self.embed).to(self.compute_dtype)
+        meta = dec.attn.prepare(batch)
+        for li, (ln1, qkv_w, qkv_b, o_w, ln2, gate_up_w, down_w) in enumerate(dec.layers):
+            if li == 0:
+                hn = F.rms_norm(h, (H,), self.hidden_norm, eps)
+                x = torch.cat([F.rms_norm(e, (H,), ln1, eps), hn], -1)
+                if c.norm_before_residual:
+                    h = hn
+            else:
+                x = F.rms_norm(h, (H,), ln1, eps)
+            a = dec.attn.attend(dec._mm(x.contiguous(), qkv_w, qkv_b), dec.k_cache[li], dec.v_cache[li], batch, meta)
+            h = h + dec._mm(a, o_w)
+            gu = dec._mm(F.rms_norm(h, (H,), ln2, eps).contiguous(), gate_up_w)
+            h = h + dec._mm((F.silu(gu[:, :I]) * gu[:, I:]).contiguous(), down_w)
+        g = F.rms_norm(h, (H,), dec.norm, eps)
+        logits = (dec._mm(g.index_select(0, batch.logits_indices).contiguous(), dec.lm_head)
+                  if batch.logits_indices.numel() else None)
+        return logits, (g if c.norm_output else h)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return self.vocab_ids[draft_ids] if self.reduced else draft_ids

@@ -223,7 +223,7 @@ class HeadProposer(Proposer):
         rows = [s.token_ids[s.head_fed + 1:s.head_fed + 1 + counts[i]] for i, s in zip(live, sel)]
         idx = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in live]).to(features.device)
         batch = _flat(rows, [s.head_fed for s in sel], sel, head.decoder, last=False)
-        _, g = head.forward(features.index_select(0, idx), batch)
+        _, g = head.forward(features.index_select(0, idx), batch, from_target=True)
         at = 0
         for i, s in zip(live, sel):
             at += counts[i]
@@ -239,7 +239,7 @@ class HeadProposer(Proposer):
             return drafts
         stoch: list[list[torch.Tensor]] = [[] for _ in seqs]
         g_last = torch.stack([seqs[i].head_last for i in active])  # [R, H]
-        logits = head.decoder._mm(g_last, head.decoder.lm_head)
+        logits = head.logits_of(g_last)
         step = 0
         while True:
             sel = [seqs[i] for i in active]
@@ -256,7 +256,7 @@ class HeadProposer(Proposer):
             sel = [seqs[i] for i in active]
             batch = _flat([[tokens[r]] for r in keep], [s.head_fed + step - 1 for s in sel], sel, head.decoder,
                           last=True)
-            logits, g_last = head.forward(g_last, batch)
+            logits, g_last = head.forward(g_last, batch, from_target=False)
         for i, d in enumerate(drafts):
             if stoch[i]:
                 d.probs = head.full_probs(torch.stack(stoch[i]))

@@ -60,18 +60,18 @@ def test_training_unroll_equals_drafting(target_dir, tmp_path):
     with torch.no_grad():
         outs = head(feats.clone(), ids, passes=3)
 
-    def run(f, toks, start):  # head entries at positions start.. : features f [n, H], next tokens
+    def run(f, toks, start, from_target=True):  # head entries at positions start..: features f, next tokens
         toks = toks[0].tolist()
         b = FlatBatch.build([toks], [start], [[0, 1, 2, 3]], list(range(len(toks))), 16, "cpu")
-        return hm.forward(f[0], b)
+        return hm.forward(f[0], b, from_target)
 
     lg, _ = run(feats[:, :11], ids[:, 1:], 0)
     torch.testing.assert_close(head.logits(outs[0])[0], lg, atol=1e-4, rtol=1e-4)
     j = 7  # pass 3 at entry j: true entries < j-1, then the head's own features twice
     run(feats[:, :j - 1], ids[:, 1:j], 0)
     _, g1 = run(feats[:, j - 2:j - 1], ids[:, j - 1:j], j - 2)
-    lg2, g2 = run(g1[None], ids[:, j:j + 1], j - 1)
-    lg3, _ = run(g2[None], ids[:, j + 1:j + 2], j)
+    lg2, g2 = run(g1[None], ids[:, j:j + 1], j - 1, False)
+    lg3, _ = run(g2[None], ids[:, j + 1:j + 2], j, False)
     torch.testing.assert_close(head.logits(outs[1])[0, j - 1], lg2[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(head.logits(outs[2])[0, j], lg3[0], atol=1e-4, rtol=1e-4)
 
