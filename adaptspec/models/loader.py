@@ -94,9 +94,15 @@ def load_draft(spec: str, target: LoadedModel, dtype="float32", device="cpu",
                quiet: bool = False) -> LoadedModel | LoadedHead:
     """A draft for ``target``: an independent model (any spec ``load_model`` takes) or a
     draft head folder (``draft.json`` with kind "head"), which shares the target's
-    embedding and output layer."""
+    embedding and output layer, or an EAGLE-3 head in the ``speculators`` format (the
+    format vLLM serves: ``config.json`` with ``speculators_model_type``)."""
     from adaptspec.distill.head import HeadModel, is_head_folder, load_head_state, read_head_config
+    from adaptspec.models.speculators import is_speculators_folder, load_speculators
 
+    if Path(spec).is_dir() and is_speculators_folder(Path(spec)):
+        cfg, state = load_speculators(Path(spec), target.model.cfg.num_layers)
+        return LoadedHead(name=str(spec), path=Path(spec), model=HeadModel(cfg, state, target.model),
+                          tokenizer=target.tokenizer)
     folder = resolve(spec, quiet=quiet)
     if is_head_folder(folder):
         head = HeadModel(read_head_config(folder), load_head_state(folder), target.model)

@@ -84,3 +84,22 @@ def test_an_engine_drafting_with_an_eagle3_head_is_exact(target_dir, tmp_path):
     got = eng.generate(prompts, greedy, SpecConfig("draft", 3))
     assert [o.token_ids for o in got] == want
     assert eng.drafter_errors == 0 and sum(o.stats.drafted for o in got) > 0
+
+
+def test_a_speculators_folder_loads_as_a_draft_and_drafts_exactly(target_dir, tmp_path):
+    """What a vLLM user brings: an EAGLE-3 head in the speculators format, given as the draft."""
+    from adaptspec.distill.head import load_head_state
+    from adaptspec.models.speculators import save_speculators
+
+    head, cfg = _eagle3_head(target_dir, tmp_path / "head")
+    out = save_speculators(cfg, load_head_state(tmp_path / "head"), tmp_path / "spec",
+                           target_output=load_weights(target_dir)["lm_head.weight"], dtype=torch.float32)
+    eng = Engine.from_pretrained(str(target_dir), draft=str(out))
+    ref = Engine.from_pretrained(str(target_dir), draft=str(tmp_path / "head"))
+    prompts = [torch.randint(0, V, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 33)]
+    greedy = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    a = eng.generate(prompts, greedy, SpecConfig("draft", 3))
+    b = ref.generate(prompts, greedy, SpecConfig("draft", 3))
+    assert [o.token_ids for o in a] == [o.token_ids for o in b] == [o.token_ids for o in eng.generate(prompts, greedy)]
+    # the same head in either format drafts the same candidates, so accepts the same counts
+    assert [o.stats.accepted for o in a] == [o.stats.accepted for o in b]
