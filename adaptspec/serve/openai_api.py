@@ -75,11 +75,16 @@ _DEFAULT_ONLY: dict[str, tuple] = {
 }
 
 
+_GRPC_CODE = {400: INVALID_ARGUMENT, 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED", 404: "NOT_FOUND",
+              429: RESOURCE_EXHAUSTED, 503: UNAVAILABLE}
+
+
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  type_: str | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.request_class = "default"  # for the refusal metric: the class once it is known
         self.type = type_ or {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                               404: "not_found_error", 429: "rate_limit_error",
                               503: "service_unavailable_error"}.get(status, "server_error")
@@ -423,13 +428,15 @@ def served_model(config) -> str:
     return config.http.model_name or config.models.target
 
 
-def _error_of(chunk: EngineChunk) -> ApiError:
+def _error_of(chunk: EngineChunk, request_class: str = "default") -> ApiError:
     status, type_ = _STATUS.get(chunk.error.code, (500, "server_error"))
     msg = chunk.error.message
     m = re.match(r"(\w+)(?:\[\d+\])?[:=]", msg) if status == 400 else None
     param = {"prompt_token_ids": "prompt"}.get(m.group(1), m.group(1)) if m else None
     code = {429: "queue_full", 503: "engine_unavailable"}.get(status)
-    return ApiError(status, msg, param, code, type_)
+    err = ApiError(status, msg, param, code, type_)
+    err.request_class = request_class
+    return err
 
 
 def _finish_reason(chunk: EngineChunk) -> str:
@@ -517,19 +524,33 @@ class _EventStream(StreamingResponse):
             await self._chunks.aclose()
 
 
-async def _events(first: EngineChunk, chunks, out: _Responder):
+def _record(host, err: ApiError | None = None, finished: EngineChunk | None = None, request_class: str = "") -> None:
+    """The per-request metrics the gRPC methods record too (when the host has them)."""
+    m = getattr(host, "metrics", None)
+    if m is None:
+        return
+    if err is not None:
+        m.observe_refused(err.request_class, _GRPC_CODE.get(err.status, INTERNAL))
+    elif finished is not None:
+        m.observe_latency(request_class, finished.ttft_s, finished.e2e_s, finished.completion_tokens)
+
+
+async def _events(host, first: EngineChunk, chunks, out: _Responder):
     head = out.first()
     if head is not None:
         yield head
     chunk = first
     while True:
         if chunk.error is not None:  # the engine went away mid-stream: the status is already sent
-            yield _sse_error(_error_of(chunk))
+            err = _error_of(chunk, out.req.request_class)
+            _record(host, err)
+            yield _sse_error(err)
             break
         data = out.delta(chunk)
         if data is not None:
             yield data
         if chunk.finished:
+            _record(host, finished=chunk, request_class=out.req.request_class)
             break
         try:
             chunk = await chunks.__anext__()
@@ -549,11 +570,12 @@ async def _run(host, req: EngineRequest, out: _Responder) -> Response:
         raise
     if first.error is not None:
         await chunks.aclose()
-        raise _error_of(first)
+        raise _error_of(first, req.request_class)
     if not req.stream:
         await chunks.aclose()
+        _record(host, finished=first, request_class=req.request_class)
         return Response(out.whole(first).model_dump_json(), media_type="application/json")
-    return _EventStream(_events(first, chunks, out), chunks)
+    return _EventStream(_events(host, first, chunks, out), chunks)
 
 
 # ---- the app --------------------------------------------------------------------------------------
@@ -567,6 +589,7 @@ def build_openai_app(host) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
+        _record(host, exc)
         return exc.response()
 
     @app.exception_handler(Exception)
@@ -575,8 +598,8 @@ def build_openai_app(host) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        if not host.serving():
-            raise ApiError(503, "the replica's engine is not running", code="engine_unavailable")
+        if not host.serving():  # answered, not raised: a probe is not a refused request (metrics)
+            return ApiError(503, "the replica's engine is not running", code="engine_unavailable").response()
         return {"status": "ok"}
 
     @app.get("/v1/models")
