@@ -23,6 +23,7 @@ from adaptspec.engine.params import MAX_K, SamplingParams, SpecConfig
 from adaptspec.engine.proposers import Draft, DraftModelProposer, HeadProposer, NgramProposer, Proposer
 from adaptspec.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from adaptspec.engine.sequence import RequestOutput, Sequence, Status
+from adaptspec.engine.suffix import SuffixProposer
 from adaptspec.engine.stats import RequestStepStats, SpecStats, StepStats
 from adaptspec.models.batch import FlatBatch
 from adaptspec.models.loader import LoadedHead, LoadedModel, load_draft, load_model
@@ -47,6 +48,7 @@ class EngineConfig:
     kv_cache_memory: float | None = None
     ngram_max_n: int = 3
     ngram_min_n: int = 1
+    suffix_drafter: bool = True  # offer the suffix drafter ("suffix") besides n-gram lookup
     verifier: str = "auto"  # auto | torch | triton: the rejection-sampling backend
 
     def __post_init__(self) -> None:
@@ -82,6 +84,8 @@ class Engine:
         cfg.max_model_len = cap
         self.verifier_backend = verifier.select_backend(self.device, cfg.verifier)
         self.proposers: dict[str, Proposer] = {"ngram": NgramProposer(cfg.ngram_max_n, cfg.ngram_min_n)}
+        if cfg.suffix_drafter:  # prompt + output + the class's recent outputs (engine.suffix)
+            self.proposers["suffix"] = SuffixProposer()
         kv_models = [target.model]
         self.feature_layers: tuple[int, ...] = ()  # target states the head drafts from
         self._taps: tuple[int, ...] = ()  # what the target forward returns for them

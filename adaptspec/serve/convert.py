@@ -8,7 +8,7 @@ import math
 import uuid
 
 from adaptspec.control.types import MAX_K, Arm
-from adaptspec.engine.params import SamplingParams
+from adaptspec.engine.params import DRAFTERS, SamplingParams
 from adaptspec.proto import adaptspec_pb2 as pb
 from adaptspec.serve.config import ServiceConfig
 from adaptspec.serve.types import EngineChunk, EngineRequest
@@ -120,7 +120,7 @@ def to_policy_update(req: pb.UpdatePolicyRequest):
         d, k = p.arm.drafter or "none", p.arm.k
         if not 0 <= k <= MAX_K:
             raise ValueError(f"pin[{i}].arm.k: {k} is outside 0..{MAX_K}")
-        if d not in ("none", "ngram", "draft"):
+        if d not in DRAFTERS:
             raise ValueError(f"pin[{i}].arm.drafter: unknown drafter {d!r}")
         pins.append((p.request_class, Arm(d, k)))
     return PolicyUpdate(req.policy, pins, list(req.unpin), req.reset)

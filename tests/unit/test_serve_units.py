@@ -106,7 +106,7 @@ def test_engine_process_streams_exact_tokens_frees_slots_and_fails_callers_when_
     async def run():
         loop_ = await ProcessEngineLoop.start(cfg, replica_id="r0")
         try:
-            assert loop_.alive and loop_.drafters == ("none", "ngram", "draft")
+            assert loop_.alive and loop_.drafters == ("none", "ngram", "suffix", "draft")
             loop_.snapshot = PolicySnapshot(1, {"chat": Arm("draft", 3)})
             streamed = [c async for c in loop_.generate(_req("a", PROMPTS[0], 12, stream=True))]
             unary = [c async for c in loop_.generate(_req("b", PROMPTS[1], 12))]
