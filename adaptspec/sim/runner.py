@@ -219,7 +219,8 @@ def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost:
                           replan_s=spec.replan_s, spread_z=spec.spread_z, short_tokens=spec.short_tokens)
         if isinstance(spec, OracleSpec):
             p = LookaheadOracle(p, cfg, [c.name for c in sc.classes], scenario_slos(sc),
-                                statics=static_assignments(sc), epoch_s=spec.epoch_s, horizon_s=spec.horizon_s)
+                                statics=static_assignments(sc), epoch_s=spec.epoch_s, horizon_s=spec.horizon_s,
+                                window=(sc.warmup_s, sc.duration_s))
         return PolicyRun(p, p.invalidate)
     else:  # pragma: no cover - the union is closed
         raise ValueError(f"policies: unknown kind {spec!r}")
