@@ -222,6 +222,11 @@ class _Stream:
     text_deltas: bool
     text: str = ""
     stop: tuple[str, ...] = ()  # the request's stop strings: their beginnings are held back
+    # incremental detokenization: ``decoded`` is the text of ids[:read]; only ids[prefix:]
+    # are decoded again per chunk (a whole-output decode per chunk grows quadratically)
+    decoded: str = ""
+    prefix: int = 0
+    read: int = 0
 
 
 class _Callers:
@@ -314,7 +319,14 @@ class _Callers:
         if chunk.finished:
             text = chunk.text
         else:
-            text = self._detok.decode(ids, skip_special_tokens=True)
+            # decode from a few tokens back (``prefix``) so that a character split over tokens,
+            # or a tokenizer's joining rule, sees its neighbours; append only what is new
+            before = self._detok.decode(ids[stream.prefix:stream.read], skip_special_tokens=True)
+            after = self._detok.decode(ids[stream.prefix:], skip_special_tokens=True)
+            if len(after) > len(before) and not after.endswith("\ufffd") and after.startswith(before):
+                stream.decoded += after[len(before):]
+                stream.prefix, stream.read = max(stream.read - 4, 0), len(ids)
+            text = stream.decoded
             text = text[:len(text) - _stop_prefix_len(text, stream.stop)]
             if text.endswith("\ufffd") or len(text) < len(stream.text):
                 chunk.text = ""
