@@ -6,11 +6,10 @@ Two C files, one shared library:
   products of decoding and verification (see the C file for why);
 - ``csrc/layer_ops.c``, the rest of a decoder layer for those steps (residual add +
   RMSNorm, SwiGLU, and attention with the rotary embedding and the KV-cache write), in
-  fp32: ``LlamaModel._forward_fused`` runs a decode or verification step in three calls per
-  layer besides the matmuls instead of ~45 torch operations. Used for fp32 compute on the
-  CPU whatever the matmul (bf16 models compute in fp32 on the kernel; fp32 models too).
-  With every weight packed for the kernel, ``CLayers`` runs that loop over all layers in one
-  call (``adaptspec_layers``; ``ADAPTSPEC_CPU_LAYER_LOOP=python`` to turn it off).
+  fp32. Used for fp32 compute on the CPU whatever the matmul (bf16 models compute in fp32
+  on the kernel; fp32 models too). With every weight packed for the kernel, ``CLayers``
+  runs the loop over all layers in one call (``adaptspec_layers``;
+  ``ADAPTSPEC_CPU_LAYER_LOOP=python`` to turn it off).
 
 The library is compiled on first use with the system C compiler (``$CC`` or ``cc``; ``-O3
 -march=native -fopenmp``, about two seconds) into ``$ADAPTSPEC_HOME/ext``, keyed by the
@@ -23,32 +22,22 @@ meanwhile).
 Where it is used (``default_matmul``): bfloat16 and float32 models on the CPU (``mode``),
 bf16 computed in fp32 around the products (pairs or widened, below; see ``LlamaModel``).
 fp32: 1 to ``MAX_ROWS_F32`` rows (decoding, verifying k + 1 candidates, a batch) on the
-kernel, where the BLAS packs panels and slows down 1.6-2x from 2 rows on; prefills (more
-rows) on the BLAS, so packed fp32 weights also keep a copy as torch has it: twice the fp32
-weight memory (SmolLM2-135M: 0.54 GB more). One row is the CPU's call: on the Xeon this project ran on until 2026-11-30 the BLAS's
-matrix-vector path read fp32 weights about 6% faster than this kernel (21.5 / 22.8 ms over
-all of SmolLM2's weights); on the AMD EPYC it runs on since, a one-token forward took 34.0 ms
-with the BLAS and 20.4 ms on the kernel (``python -m adaptspec.models.forward_bench --dtype
-float32 --layouts packed``, ``ADAPTSPEC_CPU_ONE_ROW=blas|kernel``, two runs each). The kernel
-is the default because it also makes a row's result independent of the other rows: a token
-decoded alone and the same token verified among k + 1 candidates get bitwise the same
-logits. ``ADAPTSPEC_CPU_ONE_ROW=blas`` sends one-row products to the BLAS.
-Measured on the Xeon (SmolLM2-135M, one sequence over 200 cached tokens, ``python -m
-adaptspec.models.forward_bench --dtype float32 --layouts packed,fast``), an fp32 target
-forward of 1 / 2 / 5 / 9 tokens (two runs, one row on the BLAS): 27.3-30.7 / 30.2-31.6 /
-32.7-34.8 / 37.7-39.4 ms like this, 27.9-29.1 / 40.8-41.1 / 46.2-51.3 / 57.8-62.5 ms with
-every matmul on torch. ``ADAPTSPEC_CPU_KERNEL=bf16`` keeps fp32 matmuls on
-torch (the default until the fp32 kernel's prefetch was fixed; with the old kernel the
-service's adaptive controller lost to the best static arm at 16 clients, deploy/README.md
-run 11), ``ADAPTSPEC_CPU_KERNEL=0`` turns the C kernels off.
+kernel, where a BLAS GEMM packs panels and streams the weights slower from 2 rows on;
+prefills (more rows) on the BLAS, so packed fp32 weights also keep a copy as torch has it
+(twice the fp32 weight memory). One row is the kernel's too by default: it makes a row's
+result independent of the other rows, so a token decoded alone and the same token
+verified among k + 1 candidates get bitwise the same logits; on some CPUs the BLAS's
+matrix-vector path is the faster one, and ``ADAPTSPEC_CPU_ONE_ROW=blas`` sends one-row
+products there. ``ADAPTSPEC_CPU_KERNEL=bf16`` keeps fp32 matmuls on torch,
+``ADAPTSPEC_CPU_KERNEL=0`` turns the C kernels off.
 
 bf16 on CPUs with AVX512_BF16 (``bf16_pairs()``; ``ADAPTSPEC_CPU_BF16_DOT=0`` turns it off):
 weights packed in pairs of input rows and the inputs rounded to bf16, one VDPBF16PS per 32
-multiply-adds (``csrc/small_gemm.c``). On the AMD EPYC (Zen 4), from cache, a 5-row product
-of a 576 x 3072 weight took 0.054 ms this way and 0.097 ms widened; a 150-token bf16 prefill
-of SmolLM2-135M 122-144 ms against 202-220 (``forward_bench --layouts
-packed,packed-widened``); from memory 1 to 5 rows stream at the same speed either way. The
-packed weights of a model live in one buffer on transparent huge pages (``into_huge_pages``).
+multiply-adds (``csrc/small_gemm.c``): half the arithmetic per weight and row of the
+widened layout. The packed weights of a model live in one buffer on transparent huge pages
+(``into_huge_pages``).
+
+Measured timings of these choices: docs/benchmarks.md ("Kernel and forward timings").
 """
 from __future__ import annotations
 

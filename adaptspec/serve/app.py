@@ -9,9 +9,8 @@ from adaptspec.serve.config import SERVICER_FUNCTIONS, ServiceConfig
 
 # Ray Serve settings for the request path, read by every Ray process at start-up (the proxy,
 # the replicas), so they go in the environment of the Ray cluster: ``start`` sets them before
-# it starts a local Ray, and the KubeRay manifest puts them on every container. Measured on
-# the 2-core CPU box (deploy/README.md, "gRPC + Serve overhead"): a Health/Check round trip
-# 8.0-8.3 -> 3.2-5.1 ms p50, a Generate's time outside the engine 10.7-11.6 -> 6.8-8.7 ms p50.
+# it starts a local Ray, and the KubeRay manifest puts them on every container. What they
+# saved on the 2-core CPU box: docs/results/service-runs.md ("gRPC + Serve overhead").
 # - the proxy calls the replica over Serve's inter-deployment gRPC instead of a Ray actor
 #   task (the larger part of the gain; the client still talks to Serve's gRPC proxy);
 # - the replica runs the servicer methods on its own event loop (ours only await queues;

@@ -608,7 +608,7 @@ def _overhead(client, n: int, reps: int, max_tokens: int, config: Optional[str],
 
     # the replica's builder, so both sides run the same engine with the replica's drafters
     # (like for like; the head's per-step feature hand-off measured at nothing noticeable,
-    # see deploy/README.md)
+    # see docs/results/service-runs.md)
     engine = build_engine(load_config(config), target=target, torch_threads=torch_threads)
     prompts = [p for ps in bench_prompts().values() for p in ps][:n]
     return measure_overhead(client, engine, prompts, max_tokens, reps, health_checks=100)

@@ -4,7 +4,8 @@ Why: a Python process runs one thread at a time (the GIL). With the engine on a 
 the Serve replica, every step gives the GIL up and takes it back a few hundred times (each
 torch op and C call releases it), and whenever Serve's side of the replica holds it then
 (request handling, metrics, the controller report) the step waits: on the 2-core CPU box
-that cost a few ms per request, about what those threads ran (deploy/README.md, "overhead").
+that cost a few ms per request, about what those threads ran (docs/results/service-runs.md,
+"engine process vs engine thread").
 In a process of its own the engine's thread is alone with its GIL; the replica keeps the
 gRPC methods, the callers' streams and the report, and talks to the engine over a
 socketpair. The same split as vLLM's engine-core process, for the same reason.

@@ -65,12 +65,9 @@ def measured_cpu_prior(dtype: str):
     """The step costs of SmolLM2-135M + its draft head on the CPU, as ``adaptspec calibrate``
     measured them on the project's 2-core test box (``adaptspec/data/profiles``; its notes
     say how). ``auto`` seeds the controller with these rather than the built-in
-    ``cpu-smollm2-135m-*`` profiles, whose numbers come from the issues' statements (a 60 ms
-    fp32 step, verification 5x dearer from 5 to 32 tokens, a draft at c = 0.12): measured,
-    fp32 is a 20 ms step, 5 tokens cost 1.1x one and 32 tokens 3.1x, the head c = 0.08; a
-    prior that far off keeps the policy from ever trying the arms it overprices (2026-12-01:
-    8 verify tokens predicted at 57 ms, measured 22 ms, after 900 steps of batch 4 without
-    speculation)."""
+    ``cpu-smollm2-135m-*`` profiles, whose numbers come from the issues' statements: a prior
+    far off keeps the policy from ever trying the arms it overprices, because the online
+    fit only learns where the policy goes (the comparison: docs/benchmarks.md)."""
     from importlib import resources
 
     from adaptspec.control.costs import ProfileCostModel

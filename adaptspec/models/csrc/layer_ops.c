@@ -1,13 +1,11 @@
 /* The rest of a decoder layer for CPU decoding and verification, in fp32.
  *
- * A decode step of a small model is only about half matmuls: SmolLM2-135M in bf16 on the
- * project's 2-core machine spent ~15 ms of a 28 ms step in the weight products and the rest
- * in ~45 small torch operations per layer (norms, rotary embedding, the cache write,
- * attention over the cache, SwiGLU, residual adds), each a dispatch of a few microseconds on
- * a [k + 1, 576] tensor, and verifying 5 tokens added another 6 ms there. These functions do
- * that work in three calls per layer (attention with the rotary embedding and the cache
- * write; residual add + RMSNorm; SwiGLU), for rows of a few tokens each
- * (``LlamaModel._forward_fused``); long prefills stay on torch, whose attention is tiled.
+ * Once the weight products stream at memory speed, a decode step of a small model is only
+ * about half matmuls: the rest is ~45 small torch operations per layer (norms, rotary
+ * embedding, the cache write, attention over the cache, SwiGLU, residual adds), each a
+ * dispatch of a few microseconds on a [k + 1, hidden] tensor. These functions do that work
+ * in three calls per layer (attention with the rotary embedding and the cache write;
+ * residual add + RMSNorm; SwiGLU), over the step's ragged rows and the paged KV cache.
  * ``adaptspec_layers`` (at the end) strings them and the products together over all layers.
  *
  * Numbers are fp32 throughout; results agree with the torch path to fp32 rounding (sums are
@@ -17,11 +15,12 @@
  * chunk of k + 1.
  *
  * GCC vector extensions of 8 floats (AVX2 / AVX-512VL registers, NEON pairs) from one
- * source; OpenMP over tasks of attention. 8 and not 16 lanes: the project's CPU (Ice Lake
- * server, one 512-bit FMA unit) ran attention's multiply-adds about twice as fast in 256-bit
- * registers (two units): 1.9 vs 3.6 ns per query-key pair of the value sum, in a throwaway C
- * benchmark. The weight products (small_gemm.c) wait on memory, not on FMAs, and measured the
- * same either way, so they keep 16 lanes.
+ * source; OpenMP over tasks of attention. 8 and not 16 lanes: on a CPU with one 512-bit FMA
+ * unit and two 256-bit ones, attention's multiply-adds ran about twice as fast in 256-bit
+ * registers. The weight products (small_gemm.c) wait on memory, not on FMAs, and keep 16
+ * lanes.
+ *
+ * Measured timings of these choices: docs/benchmarks.md ("Kernel and forward timings").
  */
 #include <math.h>
 #include <stdint.h>

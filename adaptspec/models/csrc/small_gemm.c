@@ -1,31 +1,21 @@
 /* Small-M matrix multiply for CPU decoding and verification: y[M, O] = x[M, I] @ W[I, O].
  *
  * Decoding one token per sequence, or verifying k + 1 candidates, multiplies a handful of
- * rows by every weight matrix: the time is the time to stream the weights from memory. The
- * BLAS GEMM this CPU has streams them at about half the bandwidth its matrix-vector path
- * reaches as soon as there are 2+ rows (it packs panels for an arithmetic intensity small M
- * does not have), so verifying 5 tokens cost 1.6-2x decoding 1. This kernel streams each
- * weight once, whatever M is (8-row tiles run over a weight block while it is in cache).
+ * rows by every weight matrix: the time is the time to stream the weights from memory. A
+ * BLAS GEMM packs panels for an arithmetic intensity small M does not have and streams the
+ * weights slower as soon as there are 2+ rows, so verifying 5 tokens cost well over
+ * decoding 1. This kernel streams each weight once, whatever M is (8-row tiles run over a
+ * weight block while it is in cache).
  *
  * Layout: W is packed by ``adaptspec.models.cpu_gemm.pack`` into column blocks of 32,
  * wp[nb][I][32] (nb = ceil(O / 32), zero-padded), so one block's weights are contiguous and
  * the hardware prefetcher sees one sequential stream per thread. fp32 or bf16 weights (bf16
  * widened to fp32 exactly); x and y are fp32; accumulation in fp32, rows in order of i.
- * bf16 blocks interleave their two halves (see load_bf16x2): measured on the project's
- * 2-core machine (all weight shapes of SmolLM2-135M from memory), a bf16 pass of 1 / 5 / 9
- * rows took 18.0 / 20.0 / 28.0 ms with the widening by shuffles (GCC's code for a vector
- * conversion), 14.1 / 16.5 / 23.4 ms like this.
+ * bf16 blocks interleave their two halves (see load_bf16x2), so a shift and a mask widen a
+ * 64-byte load to two fp32 vectors instead of GCC's shuffle-based conversion.
  *
  * Software prefetch: none by default; the hardware prefetcher follows each thread's one
- * sequential stream. Earlier versions prefetched every line of a row 4 KB ahead into L1
- * (which had beaten one line per row 1 KB ahead). Against none at all, both libraries
- * loaded in one process and alternating (SmolLM2-135M, 2 threads, huge pages), with this
- * VM's memory in a fast phase: bf16 forwards of 1 / 5 tokens 7.55-7.79 / 9.73-10.36 ms with
- * the prefetch, 6.84-7.03 / 9.27-9.54 without; fp32 11.93-12.18 / 15.34-15.49 with,
- * 11.57-11.75 / 13.32-13.53 without. In a slow phase: bf16 9.47 / 10.16 with, 9.32 / 10.03
- * without; fp32 17.94 / 19.44 with, 17.70 / 18.16 without; every bf16 weight of the model
- * once at 1 / 5 / 8 / 16 / 40 rows 8.54 / 8.68 / 9.12 / 13.76 / 28.68 ms with, 8.31 / 8.56 /
- * 9.04 / 13.52 / 28.47 without. Prefetching into L2 (4-16 KB ahead) came out in between.
+ * sequential stream, and an explicit L1 prefetch ahead of each row measured slower.
  * Building with -DADAPTSPEC_PREFETCH=<bytes> puts the L1 prefetch back, for CPUs where it
  * helps.
  *
@@ -36,13 +26,12 @@
  * wp[nb][ceil(I / 2)][32][2], the two weights of rows 2p and 2p + 1 of a column side by side,
  * and x rounded to bf16 (round to nearest even) in pairs the same way, so one VDPBF16PS does
  * 32 multiply-adds (16 columns x 2 rows, accumulated in fp32) where the widened layout needs
- * two FMAs and the widening: half the arithmetic per weight and row. On the AMD EPYC (Zen 4,
- * one 512-bit FMA a cycle) a 5-row product of a 576 x 3072 weight from cache took 0.054 ms
- * this way and 0.097 ms widened, a 150-token prefill of SmolLM2-135M 119 ms and 191; from
- * memory, 1 to 5 rows stream at the same speed either way. Like every bf16 GEMM, the
- * activations are bf16; each row is still computed alone (same instructions, same order
+ * two FMAs and the widening: half the arithmetic per weight and row. Like every bf16 GEMM,
+ * the activations are bf16; each row is still computed alone (same instructions, same order
  * whatever M is), so a token decoded alone and verified among candidates get bitwise the
  * same result.
+ *
+ * Measured timings of these choices: docs/benchmarks.md ("Kernel and forward timings").
  */
 #include <stdint.h>
 #include <stdlib.h>
