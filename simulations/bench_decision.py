@@ -7,7 +7,10 @@ requests/s (so its posteriors, cost model and batch picture are warm), then, und
 of the last step, many times:
 - ``choose`` for one class at a time (a decision on its own);
 - ``choose_many`` for the three classes (a step's snapshot: how the simulator and the
-  service decide), reported per class decision.
+  service decide), reported per class decision;
+- for the planning policies (thompson, oracle-planner), a plan of every class's arm: what
+  runs every ``replan_s`` seconds or ``replan_steps`` steps (a decision between plans is a
+  lookup), so its cost per step is the plan's over those steps.
 Prints p50 / mean / p99 in microseconds of wall time, and the process CPU time per decision
 (less sensitive to other processes sharing the cores). A benchmark that prints numbers, not
 a test; the machine's speed moves them by tens of percent from day to day.
@@ -35,7 +38,7 @@ def main() -> None:
     req = synthesize(wl, sc.classes, 30.0, np.random.default_rng(0))
     names = [c.name for c in sc.classes]
     for spec in sc.policies:
-        if spec.kind not in ("thompson", "ucb", "oracle"):
+        if spec.kind not in ("thompson", "ucb", "oracle_planner"):
             continue
         run = build_policy(spec, sc, truths, cost, [0.0], 0)
         p = run.policy
@@ -43,10 +46,13 @@ def main() -> None:
         load = Load(120, 3, 400, 120 * 900)
         single = _timed(lambda i: p.choose(names[i % 3], load), 3000)
         snapshot = _timed(lambda i: p.choose_many(names, load), 1000, per=len(names))
-        for label, (us, cpu_us) in (("choose", single), (f"choose_many x{len(names)}", snapshot)):
-            print(f"{spec.kind:9s} {label:15s} per decision: p50 {np.percentile(us, 50):6.1f} us  "
-                  f"mean {us.mean():6.1f} us  p99 {np.percentile(us, 99):6.1f} us; "
-                  f"CPU time {cpu_us:6.1f} us  ({us.size} calls)")
+        rows = [("choose", single), (f"choose_many x{len(names)}", snapshot)]
+        if hasattr(p, "plan"):
+            rows.append(("plan", _timed(lambda i: p._replan(names, False), 200)))
+        for label, (us, cpu_us) in rows:
+            print(f"{spec.kind:14s} {label:15s} per call: p50 {np.percentile(us, 50):7.1f} us  "
+                  f"mean {us.mean():7.1f} us  p99 {np.percentile(us, 99):7.1f} us; "
+                  f"CPU time {cpu_us:7.1f} us  ({us.size} calls)")
 
 
 def _timed(call, n: int, per: int = 1) -> tuple[np.ndarray, float]:

@@ -60,6 +60,9 @@ class ClassMetrics:
     e2e: LatencyStats
     mean_accepted_length: float
     arm_share: list[tuple[str, float]]  # most used arms first
+    # share of the class's output tokens (measured requests) in requests that finished within
+    # the class's TPOT SLO (None: the class has no TPOT SLO)
+    tpot_token_attainment: float | None = None
 
 
 @dataclass(slots=True)
@@ -131,7 +134,9 @@ def compute_metrics(policy: str, rate: float | None, req: Requests, rec: Recorde
             name, int(mc.sum()), int(dc.sum()), float((ok & mc).sum() / window),
             float((ok & mc).sum() / max(mc.sum(), 1)), float(req.output_tokens[dc].sum() / window),
             LatencyStats.of(ttft[dc]), LatencyStats.of(tpot[dc & (req.output_tokens > 1)]), LatencyStats.of(e2e[dc]),
-            float(rec.accepted_sum[c].sum() / max(rec.accepted_n[c].sum(), 1)), share[:6]))
+            float(rec.accepted_sum[c].sum() / max(rec.accepted_n[c].sum(), 1)), share[:6],
+            None if slos[c].tpot_s is None else
+            float(req.output_tokens[dc & (tpot <= slos[c].tpot_s)].sum() / max(req.output_tokens[mc].sum(), 1))))
     with np.errstate(invalid="ignore", divide="ignore"):
         acc_t = rec.accepted_sum / rec.accepted_n
         k_t = (rec.arm_counts * ks).sum(axis=2) / rec.arm_counts.sum(axis=2)
