@@ -37,4 +37,4 @@ def test_incremental_text_deltas_are_a_prefix_of_the_full_decode(smollm_dir):
             got += chunk.text
             assert full.startswith(got)
         assert len(full) - len(got) < 8  # only a partial character / stop beginning is held back
-    assert max(calls) < 16  # windows of recent tokens, never the whole output
+    assert max(calls) <= 40 < len(ids) / 4  # windows of recent tokens, never the whole output
