@@ -9,7 +9,8 @@ from pathlib import Path
 from adaptspec.sim.metrics import RunMetrics
 from adaptspec.sim.runner import ScenarioResult
 
-ADAPTIVE = ("thompson", "ucb", "ucb-window", "oracle", "ema", "heuristic", "vllm-schedule")
+ADAPTIVE = ("thompson", "ucb", "ucb-window", "oracle", "oracle-planner", "ema", "heuristic", "vllm-schedule",
+            "vllm-adaptive", "vllm-adaptive-k4", "thompson-no-stopping", "thompson-no-admission")
 
 
 def _ms(x: float) -> str:
