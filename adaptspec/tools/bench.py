@@ -355,7 +355,7 @@ def _print(con: Console, rows: list[BenchRow]) -> None:
         con.print(table)
 
 
-# ---- markdown report (README tables come from here, not typed by hand) ---------------
+# ---- markdown report (the docs' bench tables come from here, not typed by hand) -------
 def markdown_report(data: dict) -> str:
     """Goal checks and every row of a ``--json`` result, as markdown.
 
