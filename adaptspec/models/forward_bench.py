@@ -1,4 +1,4 @@
-"""Time ``LlamaModel.forward`` per matmul layout: the tables of decode and verify costs in docs/benchmarks.md.
+"""Time ``LlamaModel.forward`` per matmul layout (the forward tables in docs/benchmarks.md).
 
     python -m adaptspec.models.forward_bench --dtype bfloat16 --layouts packed,fast
 
