@@ -192,7 +192,7 @@ def _sample(rows: list[Sequence], logits: torch.Tensor,  # [num_rows, vocab_size
 
 
 class HeadProposer(Proposer):
-    """A feature-level draft head (EAGLE-style, ``adaptspec.distill.head``).
+    """A feature-level draft head (EAGLE-style, ``adaptspec.models.head``).
 
     Head entry ``j`` holds (target feature f_j, token x_{j+1}). After every step the engine
     hands over the features of the positions it committed (``observe``) and they are fed in
@@ -205,7 +205,7 @@ class HeadProposer(Proposer):
     name = "draft"
     wants_features = True
 
-    def __init__(self, head):  # adaptspec.distill.head.HeadModel
+    def __init__(self, head):  # adaptspec.models.head.HeadModel
         self.head = head
 
     def on_admit(self, seq) -> None:

@@ -78,7 +78,7 @@ def load_model(spec: str, dtype="float32", device="cpu", matmul: str | None = No
 
 @dataclass(slots=True)
 class LoadedHead:
-    """A feature-level draft head bound to its target (``adaptspec.distill.head``)."""
+    """A feature-level draft head bound to its target (``adaptspec.models.head``)."""
 
     name: str
     path: Path
@@ -96,7 +96,7 @@ def load_draft(spec: str, target: LoadedModel, dtype="float32", device="cpu",
     draft head folder (``draft.json`` with kind "head"), which shares the target's
     embedding and output layer, or an EAGLE-3 head in the ``speculators`` format (the
     format vLLM serves: ``config.json`` with ``speculators_model_type``)."""
-    from adaptspec.distill.head import HeadModel, is_head_folder, load_head_state, read_head_config
+    from adaptspec.models.head import HeadModel, is_head_folder, load_head_state, read_head_config
     from adaptspec.models.speculators import is_speculators_folder, load_speculators
 
     if Path(spec).is_dir() and is_speculators_folder(Path(spec)):

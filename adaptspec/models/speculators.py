@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from adaptspec.distill.head import HeadConfig, default_feature_layers
+from adaptspec.models.head import HeadConfig, default_feature_layers
 
 SPECULATORS_VERSION = "0.9.0"  # the format version written (speculators' own package version)
 
