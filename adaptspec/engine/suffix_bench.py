@@ -110,6 +110,7 @@ class MethodResult:
     acceptance: float  # accepted / drafted
     same_tokens: bool | None
     second_half_accepted_length: float  # the later requests only (the class store warm)
+    outputs: list | None = None  # plain: each request's prompt and output token ids (for ``simulate``)
 
 
 def measure(target: str = "smollm2-135m", dtype: str = "bfloat16", requests: int = 40, k: int = 8,
@@ -153,8 +154,51 @@ def measure(target: str = "smollm2-135m", dtype: str = "bfloat16", requests: int
                                         wall * len(idx) / len(reqs), emitted / max(steps, 1),
                                         accepted / max(drafted, 1),
                                         None if method == "plain" or cls not in plain_out else toks == plain_out[cls],
-                                        h_emit / max(h_steps, 1)))
+                                        h_emit / max(h_steps, 1),
+                                        [(outs[i].prompt_token_ids, outs[i].token_ids) for i in idx]
+                                        if method == "plain" else None))
     return results
+
+
+def simulate(prompts: list[list[int]], outputs: list[list[int]], classes: list[str], drafter: str, k: int,
+             max_new_tokens: int, suffix_options: dict | None = None) -> dict[str, dict]:
+    """Greedy speculative decoding replayed without the model: each request's output is
+    the target's greedy answer (every drafter is exact, so it is the same for any drafter),
+    a step drafts from the tokens committed so far, keeps the leading candidates that match
+    the answer plus one token; requests run one after another and each finished output
+    joins its class's store (what the engine does at batch 1). Per class: steps, emitted,
+    drafted, accepted."""
+    from adaptspec.engine.proposers import NgramProposer
+    from adaptspec.engine.suffix import SuffixProposer, TokenIndex
+
+    ngram = NgramProposer(3, 1)
+    suf = SuffixProposer(**(suffix_options or {}))
+    res: dict[str, dict] = {}
+    for prompt, out, cls in zip(prompts, outputs, classes):
+        tot = res.setdefault(cls, {"steps": 0, "emitted": 0, "drafted": 0, "accepted": 0})
+        seq = list(prompt) + out[:1]  # the prefill emits the first token (not a decode step)
+        own = TokenIndex()
+        done = 1
+        while done < len(out):
+            kk = min(k, max_new_tokens - done - 1)  # the engine's cap; an answer that ended early stops matching
+            if drafter == "ngram":
+                cand = ngram.lookup(seq, kk)
+            else:
+                own.extend(seq[own.n:])
+                cand = suf.draft(own, cls, kk)[0]
+            a = 0
+            while a < len(cand) and done + a < len(out) and cand[a] == out[done + a]:
+                a += 1
+            n = min(a + 1, len(out) - done)
+            a = min(a, n)
+            seq += out[done:done + n]
+            done += n
+            tot["steps"] += 1
+            tot["emitted"] += n
+            tot["drafted"] += len(cand)
+            tot["accepted"] += a
+        suf.observe_output(cls, out)
+    return res
 
 
 def main(argv: list[str] | None = None) -> None:

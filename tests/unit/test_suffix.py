@@ -178,3 +178,26 @@ def test_greedy_output_equals_plain_on_the_real_model(smollm_dir):
     spec = eng.generate(prompts, p, SpecConfig("suffix", 6), request_class="extract")
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert sum(o.stats.accepted for o in spec) > 0
+
+
+def test_the_replay_counts_what_the_engine_counts(tiny_dir):
+    """``suffix_bench.simulate`` replays greedy drafting without the model; on the same
+    requests (batch 1, in order) its per-class counts equal the engine's."""
+    from adaptspec import SamplingParams, SpecConfig
+    from adaptspec.engine.suffix_bench import simulate
+
+    eng, _ = _engine(tiny_dir, max_num_seqs=1)
+    prompts = [[1, 2, 3, 1, 2], [4, 5, 4, 5, 6], [1, 2, 3, 1, 2, 3], [7, 7, 7], [4, 5, 6, 4]]
+    classes = ["a", "b", "a", "b", "a"]
+    p = SamplingParams(max_new_tokens=16)
+    outs = [eng.generate([q], p, SpecConfig("none", 0), request_class=c)[0].token_ids for q, c in zip(prompts, classes)]
+    for drafter in ("ngram", "suffix"):
+        _add(eng, SuffixProposer())  # a fresh store: the plain run's answers are not in it
+        got = {}
+        for q, c in zip(prompts, classes):
+            st = eng.generate([q], p, SpecConfig(drafter, 4), request_class=c)[0].stats
+            g = got.setdefault(c, {"steps": 0, "emitted": 0, "drafted": 0, "accepted": 0})
+            for key in g:
+                g[key] += getattr(st, key)
+        assert simulate(prompts, outs, classes, drafter, 4, 16) == got, drafter
+    assert got["a"]["accepted"] > 0
