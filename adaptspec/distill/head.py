@@ -339,3 +339,16 @@ def build_head(cfg: HeadConfig, state: dict[str, torch.Tensor], target_weights: 
     head = DraftHead(cfg, embed.float(), out.float(), ids)
     head.load_exported({k: v.float() if v.is_floating_point() else v for k, v in state.items()})
     return head.float()
+
+
+def save_head_state(cfg: HeadConfig, state: dict[str, torch.Tensor], folder: Path) -> Path:
+    """``save_head`` for a config and a state in ``export_state`` names, without a module
+    (a converted checkpoint)."""
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt", "kind": "adaptspec-draft-head"})
+    (folder / HEAD_FILE).write_text(json.dumps(asdict(cfg), indent=2) + "\n")
+    return folder

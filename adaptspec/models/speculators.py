@@ -207,3 +207,40 @@ def save_speculators(cfg: HeadConfig, state: dict[str, torch.Tensor], folder: Pa
     save_file(out, str(folder / "model.safetensors"), metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return folder
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m adaptspec.models.speculators export HEAD_FOLDER OUT --target T`` writes our
+    eagle3 head in the speculators format; ``... import SPEC_FOLDER OUT [--target-layers L]``
+    turns a speculators checkpoint into an adaptspec head folder."""
+    import argparse
+
+    from adaptspec.distill.head import load_head_state, read_head_config, save_head_state  # noqa: I001
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("action", choices=("export", "import"))
+    ap.add_argument("src", type=Path)
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--target", default="smollm2-135m", help="export: the target whose output layer the head uses")
+    ap.add_argument("--target-layers", type=int, default=None, help="import: the target's layer count, when the "
+                                                                     "checkpoint does not list its fused layers")
+    a = ap.parse_args(argv)
+    if a.action == "export":
+        cfg, state = read_head_config(a.src), load_head_state(a.src)
+        out = None
+        if not cfg.own_lm_head:
+            from adaptspec.distill.head import target_output_weight
+            from adaptspec.models.loader import load_weights
+            from adaptspec.models.registry import resolve
+
+            w = load_weights(resolve(a.target, quiet=True))
+            out = target_output_weight(w, "lm_head.weight" not in w)
+        save_speculators(cfg, state, a.out, target_output=out, verifier=a.target)
+    else:
+        cfg, state = load_speculators(a.src, a.target_layers)
+        save_head_state(cfg, state, a.out)
+    print(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()

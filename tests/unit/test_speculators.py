@@ -257,3 +257,22 @@ def test_the_comparison_can_fail(tmp_path):
     (folder / "config.json").write_text(json.dumps(raw))
     ours, ref = _compare(head, folder, embed)
     assert not torch.allclose(ours[1][:-1], ref[1][:-1], atol=1e-2)  # pass 2 against step 1 unshifted
+
+
+def test_the_command_converts_both_ways(tmp_path):
+    """``python -m adaptspec.models.speculators import`` then ``export``: the checkpoint's
+    weights come back unchanged (our head folder in between reads as an eagle3 head)."""
+    from safetensors.torch import load_file
+
+    from adaptspec.distill.head import read_head_config
+    from adaptspec.models.speculators import main
+
+    src = _foreign_folder(tmp_path / "src")
+    main(["import", str(src), str(tmp_path / "ours"), "--target-layers", "8"])
+    assert read_head_config(tmp_path / "ours").arch == "eagle3"
+    main(["export", str(tmp_path / "ours"), str(tmp_path / "back")])
+    a, b = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    a = {k.replace("midlayer.", "layers.0."): v for k, v in a.items()}
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k].to(b[k].dtype), b[k]) or torch.equal(a[k], b[k].to(a[k].dtype)), k
