@@ -35,6 +35,21 @@ class AttentionBackend:
                batch: FlatBatch, meta: object) -> torch.Tensor:
         raise NotImplementedError
 
+    def rotate_and_write(self, qkv, k_cache, v_cache, slot_mapping, cos, sin) -> torch.Tensor:
+        """The rotary embedding of q and k (torch), k and v written at each row's slot of the
+        paged cache; returns the rotated q [N, H, D]."""
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        N = qkv.shape[0]
+        q = qkv[:, :H * D].view(N, H, D)
+        k = qkv[:, H * D:(H + Hkv) * D].view(N, Hkv, D)
+        v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        bs = k_cache.shape[2]
+        k_cache[slot_mapping // bs, :, slot_mapping % bs] = k.to(k_cache.dtype)  # into [blocks, Hkv, bs, D]
+        v_cache[slot_mapping // bs, :, slot_mapping % bs] = v.to(v_cache.dtype)
+        return q
+
 
 class CpuAttention(AttentionBackend):
     name = "cpu"
@@ -77,15 +92,7 @@ class TorchAttention(AttentionBackend):
         seq_of, col, blk, off, mask, max_q, cos, sin = meta
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         N = qkv.shape[0]
-        q = qkv[:, :H * D].view(N, H, D)
-        k = qkv[:, H * D:(H + Hkv) * D].view(N, Hkv, D)
-        v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        bs = k_cache.shape[2]
-        slot = batch.slot_mapping
-        k_cache[slot // bs, :, slot % bs] = k.to(k_cache.dtype)  # [N, Hkv, D] into [blocks, Hkv, bs, D]
-        v_cache[slot // bs, :, slot % bs] = v.to(v_cache.dtype)
+        q = self.rotate_and_write(qkv, k_cache, v_cache, batch.slot_mapping, cos, sin)
         keys = k_cache[blk, :, off].transpose(1, 2)  # [B, Hkv, ctx, D]
         values = v_cache[blk, :, off].transpose(1, 2)
         B = batch.num_seqs
@@ -114,16 +121,8 @@ class TritonAttention(AttentionBackend):
         from adaptspec_kernels.triton_attention import paged_attention
 
         seq_of, cos, sin = meta
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        H, D = self.num_heads, self.head_dim
         N = qkv.shape[0]
-        q = qkv[:, :H * D].view(N, H, D)
-        k = qkv[:, H * D:(H + Hkv) * D].view(N, Hkv, D)
-        v = qkv[:, (H + Hkv) * D:].view(N, Hkv, D)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        bs = k_cache.shape[2]
-        slot = batch.slot_mapping
-        k_cache[slot // bs, :, slot % bs] = k.to(k_cache.dtype)
-        v_cache[slot // bs, :, slot % bs] = v.to(v_cache.dtype)
+        q = self.rotate_and_write(qkv, k_cache, v_cache, batch.slot_mapping, cos, sin)
         out = paged_attention(q, k_cache, v_cache, seq_of, batch.positions, batch.block_tables, D ** -0.5)
         return out.reshape(N, H * D)
