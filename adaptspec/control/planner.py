@@ -6,9 +6,8 @@ the step time decides how fast requests leave, hence how many requests a step ca
 hence the step time again. Judging an arm by the goodput of the batch as it is now (the
 planner before 2026-12-02) let a class with a TPOT target push a throughput class onto no
 speculation to shorten the current step; the throughput class then drained at half the
-speed, the batch grew, every step got longer, and the TPOT class missed anyway (operator
-scenario: 71-87% of the batch class's steps without drafting, target attainment 94-96%
-against 99.5% for a plain static draft:2).
+speed, the batch grew, every step got longer, and the TPOT class missed anyway, where a
+plain static arm kept it (issue #25; ``tests/unit/test_control_planner.py``).
 
 The planner models the steady state each joint assignment reaches (a fluid queue). With
 ``w_c`` the tokens per second class c asks for, an arm with accepted length ``L_c`` keeps
@@ -23,13 +22,17 @@ rising), every TPOT class's budget holds (``T / L_c <= margin * target``), and t
 fits the replica (``sum N_c <= max_num_seqs``, verify + prefill tokens <= the step's
 token budget). Its capacity ``theta*`` is the highest feasible load.
 
-Objective (the scenario's goodput: requests meeting every SLO, TTFT included): first a
-capacity of at least ``headroom`` times today's demand (TTFT waits grow without bound as
-theta* nears 1, and Poisson arrivals need slack), the more the better up to that; among
-those, the fewest requests in the system at today's demand (the lowest mean latency).
-While requests wait for admission the demand seen is what was served, not what arrived,
-so the planner then maximises capacity alone. A class whose TPOT target no assignment
-meets even alone drops out of the constraints (it misses whatever the others do).
+Objective (the scenario's goodput: requests meeting every SLO, TTFT included): first the
+credit, each class's demand times the load it is served at within its TPOT target, counting
+capacity up to ``headroom`` times today's demand (TTFT waits grow without bound as theta*
+nears 1, and Poisson arrivals need slack) and falling steeply for a class whose target fails
+at the operating load; among assignments within 1% of the best credit (under light load, all
+that keep the targets), the most tokens per second from the batch as it is now, which is the
+throughput of a closed loop of clients and the same goodput for open arrivals. While requests
+wait for admission the demand seen is what was served, not what arrived, so the replica runs
+at its capacity: the credit is each class's share of it. A class whose TPOT target no
+assignment meets even alone drops out of the constraints (it misses whatever the others do).
+Capacities are read relative to the batch seen (``Planner.calibration``).
 
 Assignments are searched by coordinate moves from the current plan: every class's every
 arm with the others held, plus every arm for all classes at once, for a few rounds.
@@ -388,8 +391,8 @@ class Planner:
         per_u_req = a.sum(axis=1)  # [R]
         # prompt tokens come in chunks, a prompt's (or a budget's worth of it) in one step:
         # the verify curve is flat, then steep, so a step with a chunk costs more than the
-        # chunk's share of an average step (at 10 req/s on an H200 70B, the average step's
-        # composition prices a step at 22 ms where steps average 36). With chunks counted,
+        # chunk's share of an average step (the average step's composition underprices the
+        # mean step by a third or more near the knee of an H200 70B). With chunks counted,
         # decode steps carry decode tokens only and every chunk adds its own extra time
         chunked = x.chunk_rate > 0 and x.chunk_tokens > 0
         per_u_tok = (0.0 if chunked else x.prefill_rate) + (a * Vx).sum(axis=1)
