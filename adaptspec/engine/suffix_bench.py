@@ -14,10 +14,11 @@ lookup only half covers.
 
     python -m adaptspec.engine.suffix_bench --requests 40 --k 8 --json out.json
 
-Every method runs the same prompts in the same order, each with a fresh drafter (the
-engine hands every finished request to every drafter: a shared store would hold the
-plain run's answers to the very same prompts). Requests run ``--batch`` at a time, so a
-request's class store holds the outputs of the requests before it.
+Every method runs the same prompts in the same order, interleaved chunk by chunk (the
+engine hands every finished request to every drafter; here the suffix drafter keeps only
+the outputs of its own runs, or its store would hold the other methods' answers to the
+very same prompts). Requests run ``--batch`` at a time, so a request's class store holds
+the outputs of the requests before it.
 """
 from __future__ import annotations
 
@@ -113,9 +114,32 @@ class MethodResult:
     outputs: list | None = None  # plain: each request's prompt and output token ids (for ``simulate``)
 
 
+class _OwnRequestsOnly:
+    """The suffix drafter as the engine sees it, learning only from the requests that used
+    it: plain and n-gram runs of the same prompts (interleaved with its own) stay out of
+    its class store."""
+
+    name, wants_features = "suffix", False
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, attr):  # propose, on_verified, on_admit, observe, ... go to the drafter
+        return getattr(self.inner, attr)
+
+    def release(self, seq) -> None:
+        if seq.spec.drafter == "suffix":
+            self.inner.release(seq)
+        else:
+            self.inner._own.pop(id(seq), None)
+
+
 def measure(target: str = "smollm2-135m", dtype: str = "bfloat16", requests: int = 40, k: int = 8,
             max_new_tokens: int = 96, batch: int = 1, seed: int = 0, methods=("plain", "ngram", "suffix"),
             suffix_options: dict | None = None) -> list[MethodResult]:
+    """Every method over the same requests in the same order, interleaved chunk by chunk
+    (the first method rotating), so that a change of the machine's speed hits every method
+    alike; the suffix drafter's store holds its own earlier outputs only."""
     from adaptspec import Engine, SamplingParams, SpecConfig
     from adaptspec.engine.suffix import SuffixProposer
 
@@ -123,39 +147,42 @@ def measure(target: str = "smollm2-135m", dtype: str = "bfloat16", requests: int
     eng = Engine.from_pretrained(target, dtype=dtype, max_num_seqs=batch, max_model_len=1024)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     eng.generate(["warm up"], SamplingParams(max_new_tokens=4))
+    prop = _OwnRequestsOnly(SuffixProposer(**(suffix_options or {})))
+    if hasattr(eng, "add_proposer"):
+        eng.add_proposer("suffix", prop)
+    else:
+        eng.proposers["suffix"] = prop
+    outs = {m: [] for m in methods}
+    wall = {m: 0.0 for m in methods}
+    for c, i in enumerate(range(0, len(reqs), batch)):
+        chunk = reqs[i:i + batch]
+        for method in methods[c % len(methods):] + methods[:c % len(methods)]:
+            spec = SpecConfig("none", 0) if method == "plain" else SpecConfig(method, k)
+            t0 = time.perf_counter()
+            outs[method] += eng.generate([r.text(eng.tokenizer) for r in chunk], params, spec, raw=True,
+                                         request_class=[r.request_class for r in chunk])
+            wall[method] += time.perf_counter() - t0
     results, plain_out = [], {}
     for method in methods:
-        prop = SuffixProposer(**(suffix_options or {}))
-        if hasattr(eng, "add_proposer"):
-            eng.add_proposer("suffix", prop)
-        else:
-            eng.proposers["suffix"] = prop
-        spec = SpecConfig("none", 0) if method == "plain" else SpecConfig(method, k)
-        outs = []
-        t0 = time.perf_counter()
-        for i in range(0, len(reqs), batch):
-            chunk = reqs[i:i + batch]
-            outs += eng.generate([r.text(eng.tokenizer) for r in chunk], params, spec, raw=True,
-                                 request_class=[r.request_class for r in chunk])
-        wall = time.perf_counter() - t0
+        o = outs[method]
         for cls in sorted({r.request_class for r in reqs}):
             idx = [i for i, r in enumerate(reqs) if r.request_class == cls]
-            st = [outs[i].stats for i in idx]
-            toks = [outs[i].token_ids for i in idx]
+            st = [o[i].stats for i in idx]
+            toks = [o[i].token_ids for i in idx]
             half = idx[len(idx) // 2:]
-            h_emit = sum(outs[i].stats.emitted for i in half)
-            h_steps = sum(outs[i].stats.steps for i in half)
+            h_emit = sum(o[i].stats.emitted for i in half)
+            h_steps = sum(o[i].stats.steps for i in half)
             if method == "plain":
                 plain_out[cls] = toks
             steps, emitted = sum(x.steps for x in st), sum(x.emitted for x in st)
             drafted, accepted = sum(x.drafted for x in st), sum(x.accepted for x in st)
             results.append(MethodResult(cls, method, 0 if method == "plain" else k, len(idx),
                                         sum(len(t) for t in toks), steps, drafted, accepted,
-                                        wall * len(idx) / len(reqs), emitted / max(steps, 1),
+                                        wall[method] * len(idx) / len(reqs), emitted / max(steps, 1),
                                         accepted / max(drafted, 1),
                                         None if method == "plain" or cls not in plain_out else toks == plain_out[cls],
                                         h_emit / max(h_steps, 1),
-                                        [(outs[i].prompt_token_ids, outs[i].token_ids) for i in idx]
+                                        [(o[i].prompt_token_ids, o[i].token_ids) for i in idx]
                                         if method == "plain" else None))
     return results
 
