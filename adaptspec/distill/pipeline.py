@@ -220,8 +220,13 @@ def export_phase(plan: Plan, shipped: str | None = "smollm2-135m-draft") -> dict
                          "tokens_seen": tr.state.tokens_seen, "train_tokens": st["train"].loss_tokens,
                          "passes": tr.cfg.passes}
     save_head(head, plan.run / "head", dtype=torch.bfloat16)
+    from adaptspec.distill.head import target_output_weight
+    from adaptspec.models.loader import load_weights
+
+    tw = load_weights(resolve(plan.target, quiet=True))
+    tie = "lm_head.weight" not in tw
     save_speculators(head.cfg, head.export_state(), plan.run / "head-speculators",
-                     target_output=head.out_weight.detach(), verifier=plan.target)
+                     target_output=target_output_weight(tw, tie), verifier=plan.target)
     summary = {"head": {k: evaluate(head, st["bench"], k) for k in (2, 4)},
                "held_out": evaluate(head, st["held"], 4), "train": asdict(tr.cfg),
                "steps": tr.state.step, "tokens_seen": tr.state.tokens_seen,
@@ -229,10 +234,7 @@ def export_phase(plan: Plan, shipped: str | None = "smollm2-135m-draft") -> dict
     if shipped:
         folder = resolve(shipped, quiet=True)
         if is_head_folder(folder):
-            from adaptspec.models.loader import load_weights
-
-            tw = load_weights(resolve(plan.target, quiet=True))
-            old = build_head(read_head_config(folder), load_head_state(folder), tw, tie="lm_head.weight" not in tw)
+            old = build_head(read_head_config(folder), load_head_state(folder), tw, tie=tie)
             summary["shipped"] = {k: evaluate(old, st["bench"], k, feature="final") for k in (2, 4)}
             summary["shipped_held_out"] = evaluate(old, st["held"], 4, feature="final")
     (plan.run / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
