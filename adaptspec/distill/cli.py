@@ -70,7 +70,7 @@ def register(app: typer.Typer) -> None:
             plan = Plan(run=out, target=target, dtype=dtype if dtype != "float32" else "bfloat16",
                         onpolicy_tokens=onpolicy_tokens, offpolicy_tokens=offpolicy_tokens,
                         max_new_tokens=min(max_new_tokens, 128), gen_batch=gen_batch, feature_layers=flayers,
-                        seed=seed, train=train)
+                        seed=seed, device=device, train=train)
             run(plan, [p for p in phases.split(",") if p])
             return
         if source != "corpus":

@@ -113,7 +113,7 @@ class Teacher:
         n = self.model.config.num_hidden_layers
         if any(not 0 <= i <= n for i in self.layers):
             raise ValueError(f"feature_layers: the target has hidden states 0..{n}, got {self.layers}")
-        self.out_weight = self.model.get_output_embeddings().weight  # [vocab, H]
+        self.out_weight = self.model.get_output_embeddings().weight.float()  # [vocab, H], fp32 for lse / argmax
         self.device = torch.device(device)
 
     @torch.inference_mode()
@@ -138,7 +138,7 @@ class Teacher:
             lse = torch.zeros(n)
             arg = torch.zeros(n, dtype=torch.int32)
             if loss.any():
-                logits = f[loss] @ self.out_weight.float().t()  # [m, vocab]
+                logits = f[loss.to(f.device)] @ self.out_weight.t()  # [m, vocab]
                 lse[loss] = torch.logsumexp(logits, -1).cpu()
                 arg[loss] = logits.argmax(-1).to(torch.int32).cpu()
             res.append({"ids": torch.tensor(x.ids, dtype=torch.int32), "aux": aux[r, :n].to(torch.bfloat16).cpu(),

@@ -43,6 +43,7 @@ class Plan:
     corpus_share: float = 0.4  # share of on-policy prompts from the offline corpus (code edit, extraction)
     feature_layers: list[int] | None = None  # None: EAGLE-3's default for the target
     seed: int = 0
+    device: str = "cpu"  # features and training ("cuda" on a GPU); generation runs on the CPU engine
     train: dict = field(default_factory=dict)  # shard_train.ShardTrainConfig fields
 
     def __post_init__(self) -> None:
@@ -155,7 +156,7 @@ def features_phase(plan: Plan) -> None:
 
     folder = resolve(plan.target, quiet=True)
     st = stores(plan)
-    teacher = Teacher(folder, parse_dtype(plan.dtype), feature_layers(plan))
+    teacher = Teacher(folder, parse_dtype(plan.dtype), feature_layers(plan), device=plan.device)
     for name, file in (("bench", "bench.pt"), ("held", "held_out.pt")):
         ex = Dataset.load(plan.run / file).examples
         extract(st[name], teacher, {name: onpolicy_items(ex)}, {name: 10**12}, label=f"features ({name})")
@@ -188,7 +189,8 @@ def _trainer(plan: Plan):
         vocab = top_tokens(st["train"], cfg.vocab_top, tcfg.vocab_size)
         torch.save(vocab, vpath)
     return ShardTrainer(cfg, st["train"], st["held"], load_weights(folder), tcfg, plan.run / "train",
-                        target_name=plan.target, feature_layers=feature_layers(plan), vocab_ids=vocab), st
+                        target_name=plan.target, feature_layers=feature_layers(plan), vocab_ids=vocab,
+                        device=plan.device), st
 
 
 def train_phase(plan: Plan) -> None:

@@ -110,7 +110,7 @@ class ShardCache:
         return {k: v[a:b] for k, v in sh.items() if k != "offsets"}
 
 
-def collate(seqs: list[dict[str, torch.Tensor]], feature: str = "aux") -> dict[str, torch.Tensor]:
+def collate(seqs: list[dict[str, torch.Tensor]], feature: str = "aux", device="cpu") -> dict[str, torch.Tensor]:
     """Right-padded batch: feats [B, L, F], final [B, L, H], ids / lse / argmax / loss [B, L]."""
     B, L = len(seqs), max(s["ids"].numel() for s in seqs)
     out = {"feats": torch.zeros(B, L, seqs[0][feature].shape[1]), "final": torch.zeros(B, L, seqs[0]["final"].shape[1]),
@@ -125,7 +125,7 @@ def collate(seqs: list[dict[str, torch.Tensor]], feature: str = "aux") -> dict[s
         out["lse"][r, :n] = s["lse"]
         out["argmax"][r, :n] = s["argmax"].long()
         out["loss"][r, :n] = s["loss"].bool()
-    return out
+    return {k: v.to(device) for k, v in out.items()}
 
 
 def top_tokens(store: FeatureStore, n: int, vocab: int) -> torch.Tensor:
@@ -146,7 +146,7 @@ def head_losses(head, batch: dict, passes: int, out_v: torch.Tensor, autocast: b
     """Per pass: (mean loss, greedy agreement with the target's argmax, positions). Entry j
     of pass s learns when the position j + 1 it predicts for is learned and j >= s - 1
     (earlier entries of pass s have no valid input)."""
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)
+    ctx = torch.autocast(out_v.device.type, dtype=torch.bfloat16, enabled=autocast)
     with ctx:
         outs = head(batch["feats"], batch["ids"], passes)
     b, j = batch["loss"][:, 1:].nonzero(as_tuple=True)  # entry j <-> position j + 1
@@ -205,6 +205,7 @@ def summarize(tot: dict) -> dict:
 
 
 def evaluate(head, store: FeatureStore, k: int, feature: str = "aux", batch_tokens: int = 4096) -> dict:
+    dev = head.vocab_ids.device
     """Simulated acceptance per class (and overall, class-balanced) over a held-out store
     whose sequences are prompt + the target's greedy answer."""
     head.eval()
@@ -225,7 +226,7 @@ def evaluate(head, store: FeatureStore, k: int, feature: str = "aux", batch_toke
             for seq, _ in sub:
                 loss = seq["loss"].bool()
                 lens.append(int(loss.nonzero()[0]) + 1 if loss.any() else seq["ids"].numel())
-            for (seq, cls), t in zip(sub, simulate_acceptance(head, collate([x for x, _ in sub], feature), k, lens)):
+            for (seq, cls), t in zip(sub, simulate_acceptance(head, collate([x for x, _ in sub], feature, dev), k, lens)):
                 acc = per.setdefault(cls, {})
                 for key, v in t.items():
                     acc[key] = acc.get(key, 0) + v
@@ -252,10 +253,11 @@ class State:
 class ShardTrainer:
     def __init__(self, cfg: ShardTrainConfig, store: FeatureStore, held: FeatureStore | None, target_weights: dict,
                  tcfg, out: Path, target_name: str = "", feature_layers: list[int] | None = None,
-                 vocab_ids: torch.Tensor | None = None):
+                 vocab_ids: torch.Tensor | None = None, device="cpu"):
         from adaptspec.distill.head import DraftHead, HeadConfig, target_output_weight
 
         self.cfg, self.store, self.held, self.out = cfg, store, held, Path(out)
+        self.device = torch.device(device)
         torch.manual_seed(cfg.seed)
         if vocab_ids is None:
             vocab_ids = top_tokens(store, cfg.vocab_top, tcfg.vocab_size)
@@ -271,6 +273,7 @@ class ShardTrainer:
         self.head = DraftHead(hc, embed, out_full.index_select(0, vocab_ids), vocab_ids)
         if cfg.init == "target":
             self.head.init_from_target_layers(target_weights, tcfg.num_layers - cfg.layers)
+        self.head.to(self.device)
         self.out_v = self.head.out_weight.detach()
         params = [p for p in self.head.parameters() if p.requires_grad]
         self.num_params = sum(p.numel() for p in params)
@@ -332,7 +335,7 @@ class ShardTrainer:
             plan = epoch_plan(self.store, s.epoch, c.batch_tokens, c.buffer_shards, c.seed)
             while s.batch_in_epoch < len(plan) and not self._done():
                 t0 = time.perf_counter()
-                batch = collate([cache.seq(a, b) for a, b in plan[s.batch_in_epoch]])
+                batch = collate([cache.seq(a, b) for a, b in plan[s.batch_in_epoch]], device=self.device)
                 res = head_losses(self.head, batch, c.passes, self.out_v, c.autocast)
                 terms = [(0.8 ** i) * r[0] for i, r in enumerate(res) if r[0] is not None]
                 n_pos = res[0][2]
@@ -376,12 +379,12 @@ class ShardTrainer:
         tmp.replace(path)
 
     def _load(self, path: Path) -> None:
-        ck = torch.load(path, weights_only=False)
+        ck = torch.load(path, weights_only=False, map_location=self.device)
         for key in ("layers", "passes", "vocab_top", "norm_before_fc", "norm_before_residual", "fc_norm", "norm_output"):
             if ck["config"][key] != getattr(self.cfg, key):
                 raise ValueError(f"resume: {path} was trained with {key}={ck['config'][key]}, not "
                                  f"{getattr(self.cfg, key)}; use the same settings or another run folder")
-        if not torch.equal(ck["vocab_ids"], self.head.vocab_ids):
+        if not torch.equal(ck["vocab_ids"].cpu(), self.head.vocab_ids.cpu()):
             raise ValueError(f"resume: {path} has another draft vocabulary (the data changed); use a new run folder")
         self.head.load_state_dict(ck["head"])
         self.opt.load_state_dict(ck["opt"])
