@@ -157,24 +157,24 @@ def test_training_on_stored_features_raises_held_out_acceptance_and_resumes(targ
     train, held = FeatureStore(tmp_path / "train"), FeatureStore(tmp_path / "held")
     extract(train, t, {"a": iter(_items(32, 1, target_dir))}, {"a": 10**9}, shard_tokens=300)
     extract(held, t, {"a": iter(_items(8, 1, target_dir))}, {"a": 10**9})  # same prompts: fitting, not generalising
-    cfg = ShardTrainConfig(vocab_top=30, passes=2, lr=1e-2, batch_tokens=512, steps=60, warmup_steps=5,
-                           eval_every_steps=30, eval_k=3, init="random", autocast=False, buffer_shards=2)
+    cfg = ShardTrainConfig(vocab_top=30, passes=2, lr=1e-2, batch_tokens=512, steps=40, warmup_steps=5,
+                           eval_every_steps=20, eval_k=3, init="random", autocast=False, buffer_shards=2)
     w = load_weights(target_dir)
     tr = ShardTrainer(cfg, train, held, w, _tcfg(target_dir), tmp_path / "out", feature_layers=layers)
     st = tr.train(progress=False)
-    assert st.step == 60 and [p["step"] for p in st.curve] == [0, 30, 60, 60]
+    assert st.step == 40 and [p["step"] for p in st.curve] == [0, 20, 40, 40]
     first, last = st.curve[0]["held_out"], st.curve[-1]["held_out"]
     assert last["alpha"] > first["alpha"] + 0.15 and last["acc_len"] > first["acc_len"] + 0.1
-    # resume: a longer run continues from step 60 with the optimizer's state
+    # resume: a longer run continues from step 40 with the optimizer's state
     from dataclasses import replace
 
-    tr2 = ShardTrainer(replace(cfg, steps=70), train, held, w, _tcfg(target_dir), tmp_path / "out",
+    tr2 = ShardTrainer(replace(cfg, steps=46), train, held, w, _tcfg(target_dir), tmp_path / "out",
                        feature_layers=layers)
     st2 = tr2.train(progress=False)
-    assert st2.step == 70 and [p["step"] for p in st2.curve][:4] == [0, 30, 60, 60]
-    assert {int(v["step"]) for v in tr2.opt.state_dict()["state"].values()} == {70}
+    assert st2.step == 46 and [p["step"] for p in st2.curve][:4] == [0, 20, 40, 40]
+    assert {int(v["step"]) for v in tr2.opt.state_dict()["state"].values()} == {46}
     with pytest.raises(ValueError, match="passes"):
-        ShardTrainer(replace(cfg, passes=3, steps=80), train, held, w, _tcfg(target_dir), tmp_path / "out",
+        ShardTrainer(replace(cfg, passes=3, steps=50), train, held, w, _tcfg(target_dir), tmp_path / "out",
                      feature_layers=layers).train(progress=False)
     # the saved head reloads into the same drafts (the simulated acceptance is unchanged)
     tr2.use_best()
