@@ -9,8 +9,8 @@ The structure is an implicit suffix tree of bounded depth over token buffers. A 
 suffix tree is a string ``s``; its count is the number of places ``s`` occurs with a token
 after it, and its children are those next tokens. Here a node is represented by its
 occurrence list: the positions where the context's last ``m`` tokens occur, found through
-an index of every 2-gram's positions, then extended backwards (vectorized) up to
-``max_depth`` tokens. Why not a materialized tree (or a suffix automaton):
+an index of every token's and every 2-gram's positions, then extended backwards
+(vectorized) up to ``max_depth`` tokens. Why not a materialized tree (or a suffix automaton):
 
 * memory is exactly bounded: 4 bytes per stored token plus its index entry, where a trie
   of depth D holds up to D Python nodes per token, and a suffix automaton has no deletion;
@@ -21,8 +21,9 @@ an index of every 2-gram's positions, then extended backwards (vectorized) up to
   ``max_candidates``), not a Python walk.
 
 Proposal (one chain, what the engine verifies): take the deepest node, i.e. the longest
-suffix of the context (at least 2 tokens, at most ``max_depth``) that occurs in either
-source with a continuation, pooling the occurrences of both sources that match that deep.
+suffix of the context (at most ``max_depth`` tokens; its last token alone only when no two
+match anywhere, or never with ``min_match=2``) that occurs in either source with a
+continuation, pooling the occurrences of both sources that match that deep.
 Then repeatedly pick the most frequent next token (ties: the most recent occurrence's);
 its confidence is count(chosen child) / count(node). Stop at ``k`` tokens or when the
 confidence falls below ``min_confidence``; the chosen child becomes the node.
@@ -41,13 +42,15 @@ _SEP = -1  # between documents of a buffer: no match or continuation crosses it
 
 
 class TokenIndex:
-    """A growable token buffer with the positions of every 2-gram (``(a, b)`` at ``p - 1, p``)."""
+    """A growable token buffer with the positions of every token and every 2-gram
+    (``(a, b)`` at ``p - 1, p``)."""
 
     def __init__(self, capacity: int = 1024):
         self.buf = np.full(max(16, capacity), _SEP, dtype=np.int64)
         self.n = 0  # tokens in buf (separators included)
         self.start = 0  # positions before this are evicted (dead)
         self.grams: dict[tuple[int, int], list[int]] = {}
+        self.ones: dict[int, list[int]] = {}
 
     def extend(self, tokens) -> None:
         tokens = np.asarray(tokens, dtype=np.int64)
@@ -63,9 +66,13 @@ class TokenIndex:
         self.buf[first:need] = tokens
         self.n = need
         b = self.buf
-        for p in range(max(first, self.start + 1), need):
-            a, c = int(b[p - 1]), int(b[p])
-            if a != _SEP and c != _SEP:
+        for p in range(max(first, self.start), need):
+            c = int(b[p])
+            if c == _SEP:
+                continue
+            self.ones.setdefault(c, []).append(p)
+            a = int(b[p - 1]) if p > self.start else _SEP
+            if a != _SEP:
                 self.grams.setdefault((a, c), []).append(p)
 
     def add_document(self, tokens) -> None:
@@ -74,21 +81,19 @@ class TokenIndex:
         self.extend(tokens)
 
     def matches(self, context: np.ndarray, max_depth: int, max_candidates: int,
-                end: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Positions ``p`` where ``context[-2:]`` ends, with a token after ``p`` before
-        ``end``, and how many of the context's last tokens match backwards from ``p``
-        (2..max_depth). Most recent ``max_candidates`` occurrences only."""
+                end: int | None = None, min_match: int = 1) -> tuple[np.ndarray, np.ndarray]:
+        """Positions ``p`` where the context's last tokens occur, with a token after ``p``
+        before ``end``, and how many of the context's last tokens match backwards from ``p``
+        (up to ``max_depth``): the occurrences of its last 2 tokens, or where there are
+        none (and ``min_match`` is 1) of its last token. Most recent ``max_candidates``."""
         end = self.n if end is None else end
-        if context.size < 2:
-            return np.empty(0, np.int64), np.empty(0, np.int64)
-        pos = self.grams.get((int(context[-2]), int(context[-1])))
-        if not pos:
-            return np.empty(0, np.int64), np.empty(0, np.int64)
-        p = np.asarray(pos[-(max_candidates * 2):], dtype=np.int64)  # newest last; some may be dead/too late
-        p = p[(p >= self.start + 1) & (p + 1 < end)]
-        p = p[-max_candidates:]
+        none = np.empty(0, np.int64), np.empty(0, np.int64)
+        p = self._live(self.grams.get((int(context[-2]), int(context[-1]))) if context.size >= 2 else None,
+                       max_candidates, end, 1)
+        if p.size == 0 and min_match <= 1 and context.size >= 1:
+            p = self._live(self.ones.get(int(context[-1])), max_candidates, end, 0)
         if p.size == 0:
-            return p, p
+            return none
         D = min(max_depth, context.size)
         offs = np.arange(D)
         idx = p[:, None] - offs[None, :]  # [n, D] positions compared with context[-1 - j]
@@ -98,6 +103,15 @@ class TokenIndex:
         eq = (vals == want[None, :]) & ok
         length = np.where(eq.all(1), D, np.argmin(eq, 1))  # leading run of matches
         return p, length
+
+    def _live(self, pos: list[int] | None, max_candidates: int, end: int, back: int) -> np.ndarray:
+        """The newest ``max_candidates`` of ``pos`` that are live (``back`` tokens before
+        them too) and have a token after them before ``end``."""
+        if not pos:
+            return np.empty(0, np.int64)
+        p = np.asarray(pos[-(max_candidates * 2):], dtype=np.int64)  # newest last; some may be dead or too late
+        p = p[(p >= self.start + back) & (p + 1 < end)]
+        return p[-max_candidates:]
 
 
 
@@ -140,9 +154,12 @@ class SuffixProposer(Proposer):
     name = "suffix"
 
     def __init__(self, max_depth: int = 24, min_confidence: float = 0.5, class_tokens: int = 32768,
-                 max_classes: int = 64, max_candidates: int = 256, use_class: bool = True):
+                 max_classes: int = 64, max_candidates: int = 256, use_class: bool = True, min_match: int = 1):
         if max_depth < 2:
             raise ValueError(f"max_depth: must be >= 2, got {max_depth}")
+        if min_match not in (1, 2):
+            raise ValueError(f"min_match: must be 1 or 2, got {min_match}")
+        self.min_match = min_match
         if not 0.0 <= min_confidence <= 1.0:
             raise ValueError(f"min_confidence: must be in [0, 1], got {min_confidence}")
         if class_tokens < 0 or max_classes < 1 or max_candidates < 1:
@@ -193,15 +210,16 @@ class SuffixProposer(Proposer):
               min_confidence: float | None = None) -> tuple[list[int], list[float]]:
         """Up to ``k`` tokens continuing ``own``'s tokens, with their confidences."""
         floor = self.min_confidence if min_confidence is None else min_confidence
-        if k <= 0 or own.n < 3:
+        if k <= 0 or own.n < 2:
             return [], []
         ctx = own.buf[max(0, own.n - self.max_depth):own.n]
-        sources = [(own, *own.matches(ctx, self.max_depth, self.max_candidates, end=own.n))]
+        sources = [(own, *own.matches(ctx, self.max_depth, self.max_candidates, end=own.n, min_match=self.min_match))]
         store = self.classes.get(request_class) if self.use_class else None
         if store is not None:
-            sources.append((store.index, *store.index.matches(ctx, self.max_depth, self.max_candidates)))
+            sources.append((store.index, *store.index.matches(ctx, self.max_depth, self.max_candidates,
+                                                              min_match=self.min_match)))
         deepest = max((int(length.max()) for _, _, length in sources if length.size), default=0)
-        if deepest < 2:
+        if deepest < self.min_match:
             return [], []
         occ = [(src, p[length >= deepest], own.n if src is own else src.n) for src, p, length in sources]
         toks: list[int] = []

@@ -65,6 +65,13 @@ def test_ties_take_the_most_recent_occurrence():
     assert p.draft(_own([4, 5, 6, 0, 4, 5, 7, 0, 4, 5]), "c", 1)[0] == [7]
 
 
+def test_a_single_token_match_is_the_fallback():
+    # no 2-token suffix of the context (8 3) occurs; its last token 3 does, followed by 4 5
+    p = SuffixProposer(use_class=False)
+    assert p.draft(_own([3, 4, 5, 8, 3]), "c", 2)[0] == [4, 5]
+    assert SuffixProposer(use_class=False, min_match=2).draft(_own([3, 4, 5, 8, 3]), "c", 2) == ([], [])
+
+
 def test_no_match_or_no_room_proposes_nothing():
     p = SuffixProposer()
     assert p.draft(_own([1, 2, 3, 4]), "c", 4) == ([], [])
@@ -76,7 +83,7 @@ def test_matches_never_cross_document_boundaries():
     store = ClassStore(1000)
     store.add([1, 2])
     store.add([3, 4, 5])
-    p = SuffixProposer()
+    p = SuffixProposer(min_match=2)  # 2-token matches only: a lone "3" would match
     p.classes["c"] = store
     # "2 3" spans the boundary between the two outputs: no occurrence
     assert p.draft(_own([9, 2, 3]), "c", 2) == ([], [])
@@ -113,6 +120,8 @@ def test_bad_settings_name_the_field():
         SuffixProposer(max_depth=1)
     with pytest.raises(ValueError, match="min_confidence"):
         SuffixProposer(min_confidence=1.5)
+    with pytest.raises(ValueError, match="min_match"):
+        SuffixProposer(min_match=3)
 
 
 # ---- in the engine ------------------------------------------------------------------
