@@ -32,7 +32,8 @@ def register(app: typer.Typer) -> None:
                                              help="sharegpt: ShareGPT assistant tokens, teacher-forced"),
         phases: str = typer.Option("generate,features,train,export", help="sharegpt: phases to run"),
         kind: str = typer.Option("head", help="head (feature-level, EAGLE-style) or model (independent)"),
-        out: Path = typer.Option(..., help="output folder (the draft, checkpoints, curve, summary)"),
+        out: Optional[Path] = typer.Option(None, help="output folder (the draft, checkpoints, curve, summary); "
+                                                     "sharegpt: default $ADAPTSPEC_HOME/distill/sharegpt-TARGET"),
         layers: int = typer.Option(1, help="decoder layers of the draft"),
         hidden: Optional[int] = typer.Option(None, help="model kind: hidden size (default: the target's)"),
         vocab_top: Optional[int] = typer.Option(None, "--vocab-top", help="head kind: keep the N most frequent tokens"),
@@ -61,6 +62,9 @@ def register(app: typer.Typer) -> None:
         """Distill a draft (head or model) for TARGET on its own continuations."""
         if source == "sharegpt":
             from adaptspec.distill.pipeline import Plan, run
+            from adaptspec.models.registry import home
+
+            out = out or home() / "distill" / f"sharegpt-{Path(target).name}"
 
             flayers = [int(x) for x in feature_layers.split(",")] if feature_layers else None
             train = {"layers": layers, "vocab_top": vocab_top or 8192, "passes": passes, "lr": lr,
@@ -75,6 +79,8 @@ def register(app: typer.Typer) -> None:
             return
         if source != "corpus":
             raise ValueError(f"source: must be corpus or sharegpt, got {source!r}")
+        if out is None:
+            raise ValueError("out: an output folder is required with --source corpus")
         from adaptspec.distill.train import TrainConfig
 
         cfg = TrainConfig(kind=kind, layers=layers, hidden=hidden, vocab_top=vocab_top, loss=loss, passes=passes,
