@@ -31,7 +31,6 @@ def test_admits_until_the_predicted_wait_passes_slack_times_the_target():
 
 
 def test_the_service_refuses_with_resource_exhausted_and_names_the_class():
-    from adaptspec.control.types import Arm  # noqa: F401 - the loop's import path
     from adaptspec.engine.params import SamplingParams
     from adaptspec.serve.config import ServiceConfig
     from adaptspec.serve.loop import _Callers, slo_admission
