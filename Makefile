@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.adaptspec-installed
 TEST_STAMP := $(VENV)/.adaptspec-test-installed
 
-.PHONY: run test install protos bench clean-venv deploy-check mutation-check
+.PHONY: run test install protos bench clean-venv deploy-check mutation-check gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +43,14 @@ bench: $(STAMP)
 # tests meant to catch it fail (not part of `make test`; run it before resolving engine work)
 mutation-check: $(TEST_STAMP)
 	$(PY) tests/mutation/run.py
+
+# the GPU check (issue #23): the CUDA test subset and a speed table on a random-weight
+# 8B-shaped model, one JSON to $OUT/ (when set) or docs/results/gpu-check-DATE.json. No install
+# step: it runs on a CUDA machine with only torch + triton (pytest, transformers when there),
+# with this venv's python where one exists, else $(PYTHON). docs/benchmarks.md#gpu-check
+GPU_CHECK_PY ?= $(if $(wildcard $(PY)),$(PY),$(PYTHON))
+gpu-check:
+	$(GPU_CHECK_PY) -m adaptspec.tools.gpu_check $(GPU_CHECK_ARGS)
 
 # render the Kubernetes profiles (deploy/profiles) and validate every generated object
 deploy-check: $(TEST_STAMP)
