@@ -22,6 +22,9 @@ from adaptspec.models.batch import FlatBatch
 
 class AttentionBackend:
     name = "base"
+    # prepare/attend use only the batch's device tensors, with shapes fixed by the token
+    # count (no host lists, no data-dependent shapes): a CUDA graph can capture them
+    graph_safe = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -108,12 +111,15 @@ class TritonAttention(AttentionBackend):
     ops), the attention itself in one Triton launch over every row of the step."""
 
     name = "triton"
+    graph_safe = True
 
     def prepare(self, batch: FlatBatch):
-        dev = batch.input_ids.device
-        nq = torch.tensor(batch.num_tokens, device=dev)
-        seq_of = torch.repeat_interleave(torch.arange(batch.num_seqs, device=dev, dtype=torch.int32), nq,
-                                         output_size=batch.total_tokens)
+        rows = batch.input_ids.shape[0]
+        cu = batch.cu_seqlens_q
+        # each row's sequence from cu_seqlens alone (rows are sequences' runs in order; an empty
+        # sequence repeats its cu entry), on the device: no host list, same shapes for any data
+        seq_of = torch.searchsorted(cu[1:], torch.arange(rows, device=cu.device, dtype=cu.dtype), right=True,
+                                    out_int32=True)  # [N] int32
         cos, sin = self.cos[batch.positions][:, None], self.sin[batch.positions][:, None]  # [N, 1, D]
         return seq_of, cos, sin
 

@@ -43,26 +43,36 @@ class FlatBatch:
               logits_indices: list[int], block_size: int, device: torch.device) -> "FlatBatch":
         """From per-sequence new tokens, cached lengths and block tables (host lists), with
         one host-to-device copy per tensor (none on the CPU)."""
-        n = np.fromiter((len(r) for r in token_rows), dtype=np.int64, count=len(token_rows))
-        ctx = np.asarray(context_lens, dtype=np.int64)
-        cu = np.zeros(len(token_rows) + 1, dtype=np.int32)
-        np.cumsum(n, out=cu[1:])
-        total = int(cu[-1])
-        ids = np.fromiter((t for r in token_rows for t in r), dtype=np.int64, count=total)
-        seq_of = np.repeat(np.arange(len(token_rows)), n)
-        pos = ctx[seq_of] + (np.arange(total) - cu[:-1][seq_of])
-        max_blocks = max((len(t) for t in block_tables), default=1) or 1
-        bt = np.zeros((len(token_rows), max_blocks), dtype=np.int32)
-        for b, t in enumerate(block_tables):
-            bt[b, :len(t)] = t
-        slot = bt[seq_of, pos // block_size].astype(np.int64) * block_size + pos % block_size
-        host = {"cu": cu, "ctx": ctx.astype(np.int32), "bt": bt}
+        ids, pos, cu, ctx, bt, slot, n = host_layout(token_rows, context_lens, block_tables, block_size)
+        host = {"cu": cu, "ctx": ctx, "bt": bt}
         dev = torch.device(device)
 
         def put(a: np.ndarray) -> torch.Tensor:
             t = torch.from_numpy(a)
             return t if dev.type == "cpu" else t.to(dev, non_blocking=True)
 
-        return cls(put(ids), put(pos), put(cu), put(host["ctx"]), put(bt), put(slot),
+        return cls(put(ids), put(pos), put(cu), put(ctx), put(bt), put(slot),
                    put(np.asarray(logits_indices, dtype=np.int64)), n.tolist(), list(context_lens),
                    int((ctx + n).max()) if len(token_rows) else 0, block_size, host)
+
+
+def host_layout(token_rows: list[list[int]], context_lens: list[int], block_tables: list[list[int]],
+                block_size: int) -> tuple[np.ndarray, ...]:
+    """The flattened layout on the host: ``(input_ids [T] int64, positions [T] int64,
+    cu_seqlens_q [B + 1] int32, context_lens [B] int32, block_tables [B, max_blocks] int32
+    (0-padded), slot_mapping [T] int64, num_tokens [B] int64)``. ``FlatBatch.build`` and the
+    CUDA-graph runner's padded static buffers (``models.cuda_graph``) both start from it."""
+    n = np.fromiter((len(r) for r in token_rows), dtype=np.int64, count=len(token_rows))
+    ctx = np.asarray(context_lens, dtype=np.int64)
+    cu = np.zeros(len(token_rows) + 1, dtype=np.int32)
+    np.cumsum(n, out=cu[1:])
+    total = int(cu[-1])
+    ids = np.fromiter((t for r in token_rows for t in r), dtype=np.int64, count=total)
+    seq_of = np.repeat(np.arange(len(token_rows)), n)
+    pos = ctx[seq_of] + (np.arange(total) - cu[:-1][seq_of])
+    max_blocks = max((len(t) for t in block_tables), default=1) or 1
+    bt = np.zeros((len(token_rows), max_blocks), dtype=np.int32)
+    for b, t in enumerate(block_tables):
+        bt[b, :len(t)] = t
+    slot = bt[seq_of, pos // block_size].astype(np.int64) * block_size + pos % block_size
+    return ids, pos, cu, ctx.astype(np.int32), bt, slot, n
