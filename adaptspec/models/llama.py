@@ -138,39 +138,51 @@ class LlamaModel:
         self.compute_dtype = torch.float32 if matmul == "packed" and dtype == torch.bfloat16 else dtype
         ct = self.compute_dtype
         self.device = torch.device(device)
-        w = {k: v.to(device=self.device, dtype=dtype) for k, v in weights.items()}
-        self.embed = w["model.embed_tokens.weight"]  # [vocab, hidden]
-        self.norm = w["model.norm.weight"].to(ct)
+        # Loading: every tensor is converted and laid out (concatenated, transposed) where the
+        # checkpoint put it (the host), and only final tensors are moved, one at a time
+        # (``_place``), so the device never holds a wider dtype, a concatenation's sources or
+        # a second copy: it peaks at the weights' own bytes. The sources are dropped as used.
+        w = {k: v.to(dtype) for k, v in weights.items()}
+        put, take = self._place, w.pop
+        self.embed = put(take("model.embed_tokens.weight"))  # [vocab, hidden]
+        self.norm = put(take("model.norm.weight").to(ct))
         if matmul == "packed":
             cpu_gemm.enabled()  # build/load once, before the first forward
         lay = self.lay_weight
-        head = self.embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        self.lm_head = lay(head)  # fast: [hidden, vocab]; reference: [vocab, hidden]; packed: PackedWeight
-        self.layers = []
+
+        def laid(x: torch.Tensor):  # an [out, in] weight laid out for _mm, on the device
+            y = lay(x)
+            return y if matmul == "packed" else put(y)
+
+        # tied: the output layer is the embedding already on the device (laid out there)
+        self.lm_head = lay(self.embed) if cfg.tie_word_embeddings else laid(take("lm_head.weight"))
+        self.layers = []  # fast: [hidden, vocab]; reference: [vocab, hidden]; packed: PackedWeight
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            qkv = torch.cat([w[p + "self_attn.q_proj.weight"], w[p + "self_attn.k_proj.weight"],
-                             w[p + "self_attn.v_proj.weight"]], 0)
+            qkv = torch.cat([take(p + "self_attn.q_proj.weight"), take(p + "self_attn.k_proj.weight"),
+                             take(p + "self_attn.v_proj.weight")], 0)
             qkv_b = None
             if cfg.attention_bias:
-                qkv_b = torch.cat([w[p + "self_attn.q_proj.bias"], w[p + "self_attn.k_proj.bias"],
-                                   w[p + "self_attn.v_proj.bias"]], 0).to(ct)
-            gate_up = torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]], 0)
-            self.layers.append((w[p + "input_layernorm.weight"].to(ct), lay(qkv), qkv_b,
-                                lay(w[p + "self_attn.o_proj.weight"]),
-                                w[p + "post_attention_layernorm.weight"].to(ct), lay(gate_up),
-                                lay(w[p + "mlp.down_proj.weight"])))
-        self.qk_norms = ([(w[f"model.layers.{i}.self_attn.q_norm.weight"].to(ct),
-                           w[f"model.layers.{i}.self_attn.k_norm.weight"].to(ct)) for i in range(cfg.num_layers)]
-                         if cfg.qk_norm else None)
+                qkv_b = put(torch.cat([take(p + "self_attn.q_proj.bias"), take(p + "self_attn.k_proj.bias"),
+                                       take(p + "self_attn.v_proj.bias")], 0).to(ct))
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")], 0)
+            self.layers.append((put(take(p + "input_layernorm.weight").to(ct)), laid(qkv), qkv_b,
+                                laid(take(p + "self_attn.o_proj.weight")),
+                                put(take(p + "post_attention_layernorm.weight").to(ct)), laid(gate_up),
+                                laid(take(p + "mlp.down_proj.weight"))))
+            del qkv, gate_up
+        self.qk_norms = ([(put(take(f"model.layers.{i}.self_attn.q_norm.weight").to(ct)),
+                           put(take(f"model.layers.{i}.self_attn.k_norm.weight").to(ct)))
+                          for i in range(cfg.num_layers)] if cfg.qk_norm else None)
+        del w
         if matmul == "packed":  # one buffer on transparent huge pages (cpu_gemm.into_huge_pages)
             cpu_gemm.into_huge_pages([x for x in (*(x for lay_ in self.layers for x in lay_), self.lm_head)
                                       if isinstance(x, cpu_gemm.PackedWeight)])
         pos = torch.arange(cfg.max_position, dtype=torch.float32)
         freqs = torch.outer(pos, _inv_freq(cfg))  # [max_position, head_dim / 2]
         emb = torch.cat([freqs, freqs], -1)
-        self.cos = emb.cos().to(self.device, ct)  # [max_position, head_dim]
-        self.sin = emb.sin().to(self.device, ct)
+        self.cos = put(emb.cos().to(ct))  # [max_position, head_dim]
+        self.sin = put(emb.sin().to(ct))
         # norms, rotary embedding, attention and SwiGLU in C (csrc/layer_ops.c) on the CPU in fp32
         self.fused = (self.device.type == "cpu" and self.fast and ct == torch.float32
                       and cpu_gemm.mode() != "0" and cpu_gemm.enabled())
@@ -186,6 +198,11 @@ class LlamaModel:
         self.v_cache: list[torch.Tensor] = []
         self.num_blocks = 0
         self.block_size = 0
+
+    def _place(self, t: torch.Tensor) -> torch.Tensor:
+        """A final tensor onto the model's device (the one way weights get there while
+        loading; nothing on the CPU)."""
+        return t.to(self.device)
 
     def lay_weight(self, w: torch.Tensor):
         """An [out, in] weight (in the model's dtype and device) laid out for ``_mm``: packed
