@@ -8,6 +8,7 @@ draft head and registers full blocks in the prefix cache.
 """
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -24,8 +25,9 @@ from adaptspec.engine.proposers import Draft, DraftModelProposer, HeadProposer, 
 from adaptspec.engine.scheduler import ScheduledRow, Scheduler, SchedulerOutput
 from adaptspec.engine.sequence import RequestOutput, Sequence, Status
 from adaptspec.engine.suffix import SuffixProposer
-from adaptspec.engine.stats import RequestStepStats, SpecStats, StepStats
+from adaptspec.engine.stats import ForwardTimer, Lap, RequestStepStats, SpecStats, StepStats
 from adaptspec.models.batch import FlatBatch
+from adaptspec.models.cuda_graph import DEFAULT_MAX_TOKENS, GraphRunner
 from adaptspec.models.loader import LoadedHead, LoadedModel, load_draft, load_model
 
 log = logging.getLogger("adaptspec.engine")
@@ -43,9 +45,17 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     block_size: int = 16  # positions per KV block (a multiple of 8 for the CPU kernels)
     enable_prefix_caching: bool = True
-    # KV pool size: bytes (> 1), a fraction of free device memory (<= 1; CUDA), or None:
-    # room for max_num_seqs full-length requests (every model's KV counted)
+    # KV pool size: bytes (> 1), a fraction of the device memory free after the weights and
+    # the CUDA graphs (<= 1; CUDA), or None: room for max_num_seqs full-length requests
+    # (every model's KV counted)
     kv_cache_memory: float | None = None
+    # decode / verification steps (no prompt chunk) of up to cuda_graph_max_tokens rows replay
+    # a CUDA graph of the target's forward, padded to a token-count bucket; larger steps and
+    # steps with prompt chunks run eagerly. None: on for CUDA when the attention backend can
+    # be captured (Triton). True on the CPU runs the same padded static-buffer path without
+    # capturing (what the CPU tests check; slower than the default, which is off there)
+    cuda_graphs: bool | None = None
+    cuda_graph_max_tokens: int = DEFAULT_MAX_TOKENS  # capped at max_num_batched_tokens
     ngram_max_n: int = 3
     ngram_min_n: int = 1
     suffix_drafter: bool = True  # offer the suffix drafter ("suffix") besides n-gram lookup
@@ -65,6 +75,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a positive multiple of 8, got {self.block_size}")
         if self.kv_cache_memory is not None and not self.kv_cache_memory > 0:
             raise ValueError(f"kv_cache_memory must be > 0 (bytes, or a fraction <= 1), got {self.kv_cache_memory}")
+        if self.cuda_graph_max_tokens < 1:
+            raise ValueError(f"cuda_graph_max_tokens must be >= 1, got {self.cuda_graph_max_tokens}")
         if self.verifier not in ("auto", "torch", "triton"):
             raise ValueError(f"verifier must be auto, torch or triton, got {self.verifier!r}")
 
@@ -100,9 +112,7 @@ class Engine:
             check_same_vocab(target, draft)
             kv_models.append(draft.model)
             self.proposers["draft"] = DraftModelProposer(draft.model)
-        self.num_blocks = self._num_blocks(kv_models)
-        for m in kv_models:
-            m.allocate_kv(self.num_blocks, cfg.block_size)
+        self.graphs = self._setup_kv_and_graphs(kv_models)
         self.pool = BlockPool(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, reuse_margin=1 if isinstance(draft, LoadedHead) else 0)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, self._on_admit)
@@ -113,9 +123,56 @@ class Engine:
         self.totals = SpecStats()
         self.last_step: StepStats | None = None
         self.step_listeners: list[Callable[[StepStats], None]] = []
+        # CUDA: the forward timed by events, read once complete (ForwardTimer); steps whose
+        # events are still running wait here, published in order
+        self._timer = ForwardTimer() if self.device.type == "cuda" else None
+        self._unpublished: collections.deque = collections.deque()
         self._ids = itertools.count()
 
-    def _num_blocks(self, models) -> int:
+    def _setup_kv_and_graphs(self, kv_models) -> GraphRunner | None:
+        """Size and allocate the KV pool, then capture the target's CUDA graphs. With the pool
+        a fraction of free memory, the graphs are first captured against a two-block pool to
+        measure what they hold, so the fraction applies to the memory left after them. With
+        graphs, every model's pool has one block more than the engine hands out: the pad
+        block that padding rows write to."""
+        cfg, bs = self.config, self.config.block_size
+        use = self._graphs_wanted()
+        capture = use and self.device.type == "cuda"
+        graph_bytes = 0
+        mem = cfg.kv_cache_memory
+        if capture and mem is not None and mem <= 1:
+            for m in kv_models:
+                m.allocate_kv(2, bs)
+            probe = self._graph_runner(pad_block=1, capture=True)
+            graph_bytes = probe.graph_bytes
+            probe.release()
+            del probe
+            for m in kv_models:
+                m.allocate_kv(0, bs)
+            torch.cuda.empty_cache()
+        self.num_blocks = self._num_blocks(kv_models, graph_bytes)
+        for m in kv_models:
+            m.allocate_kv(self.num_blocks + (1 if use else 0), bs)
+        if not use:
+            return None
+        return self._graph_runner(pad_block=self.num_blocks, capture=capture)
+
+    def _graphs_wanted(self) -> bool:
+        want, attn = self.config.cuda_graphs, self.target.model.attn
+        if want is None:
+            return self.device.type == "cuda" and getattr(attn, "graph_safe", False)
+        if want and self.device.type == "cuda" and not getattr(attn, "graph_safe", False):
+            raise ValueError(f"cuda_graphs: the {attn.name!r} attention backend cannot be captured "
+                             "(the Triton backend can: install triton)")
+        return want
+
+    def _graph_runner(self, pad_block: int, capture: bool) -> GraphRunner:
+        cfg = self.config
+        return GraphRunner(self.target.model, max_tokens=min(cfg.cuda_graph_max_tokens, cfg.max_num_batched_tokens),
+                           max_seqs=cfg.max_num_seqs, max_blocks_per_seq=-(-cfg.max_model_len // cfg.block_size),
+                           pad_block=pad_block, feature_layers=self._taps, capture=capture)
+
+    def _num_blocks(self, models, graph_bytes: int = 0) -> int:
         cfg, bs = self.config, self.config.block_size
         per_block = sum(m.kv_bytes_per_block(bs) for m in models)
         mem = cfg.kv_cache_memory
@@ -125,7 +182,7 @@ class Engine:
             if self.device.type != "cuda":
                 raise ValueError("kv_cache_memory: a fraction of free memory needs a CUDA device; give bytes")
             free, _ = torch.cuda.mem_get_info(self.device)
-            mem = free * mem
+            mem = max(0, free - graph_bytes) * mem  # what the graphs will hold is not free
         n = int(mem // per_block)
         need = -(-cfg.max_model_len // bs)
         if n < need:
@@ -244,14 +301,15 @@ class Engine:
         plan = self.scheduler.schedule(self._k_for)
         drafts = self._propose(plan.rows)
         t1 = time.perf_counter()
-        batch = self._batch(plan.rows, drafts)
-        logits, hidden = self.target.model.forward(batch, feature_layers=self._taps)
+        if self._timer is not None:
+            self._timer.start()
+        logits, hidden = self._forward(plan.rows, drafts)
         emitted = self._verify(plan.rows, drafts, logits)  # the step's one host transfer
         t2 = time.perf_counter()
         outputs: dict[str, RequestOutput] = {}
         req_stats = self._commit(plan.rows, drafts, emitted, hidden, outputs)
         t3 = time.perf_counter()
-        self._record(plan, drafts, req_stats, batch, t0, t1, t2, t3)
+        self._record(plan, drafts, req_stats, t0, t1, t2, t3)
         return list(outputs.values())
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | list[SamplingParams] | None = None,
@@ -305,9 +363,22 @@ class Engine:
                 drafts[i] = _cut(d, rows[i].k, rows[i].seq.spec.min_confidence)
         return drafts
 
-    def _batch(self, rows: list[ScheduledRow], drafts: list[Draft]) -> FlatBatch:
-        """The step's flattened batch: each row's uncomputed tokens then its candidates;
-        logits for rows that reach their sequence's end (the last token and each candidate)."""
+    def _forward(self, rows: list[ScheduledRow], drafts: list[Draft]):
+        """The target's forward over the step: ``(logits [num_logits, vocab], hidden)``. A step
+        of decode / verification rows only that fits the graphs replays one (graphs on); any
+        other step runs eagerly on its exact (unpadded) batch."""
+        tokens, ctx, tables, logit_rows = self._layout(rows, drafts)
+        g = self.graphs
+        if g is not None and all(r.decode for r in rows) and \
+                g.fits(sum(map(len, tokens)), len(tokens), max((len(t) for t in tables), default=0)):
+            return g.forward(tokens, ctx, tables, logit_rows)
+        batch = FlatBatch.build(tokens, ctx, tables, logit_rows, self.config.block_size, self.device)
+        return self.target.model.forward(batch, feature_layers=self._taps)
+
+    def _layout(self, rows: list[ScheduledRow], drafts: list[Draft]):
+        """The step's flattened batch as host lists (``FlatBatch.build``'s arguments): each
+        row's uncomputed tokens then its candidates; logits for rows that reach their
+        sequence's end (the last token and each candidate)."""
         tokens, logit_rows, at = [], [], 0
         for r, d in zip(rows, drafts):
             s = r.seq
@@ -319,8 +390,7 @@ class Engine:
                 last = at + r.num_new - 1
                 logit_rows.extend(range(last, last + len(d.token_ids) + 1))
             at += len(t)
-        return FlatBatch.build(tokens, [r.seq.num_computed for r in rows], [r.seq.block_table for r in rows],
-                               logit_rows, self.config.block_size, self.device)
+        return tokens, [r.seq.num_computed for r in rows], [r.seq.block_table for r in rows], logit_rows
 
     def _verify(self, rows: list[ScheduledRow], drafts: list[Draft], logits) -> list[list[int]]:
         """Each sampling row's accepted candidates plus its recovered or bonus token."""
@@ -358,6 +428,8 @@ class Engine:
             out[:, 0] = res.num_accepted
             out[:, 1:1 + res.output_token_ids.shape[1]] = res.output_token_ids
             parts.append((members, out))
+        if self._timer is not None:
+            self._timer.stop()  # before the transfer, which then also completes the timing events
         host = torch.cat([p for _, p in parts]).tolist()  # one device-to-host transfer
         for j, (a, *o) in zip([j for members, _ in parts for j in members], host):
             emitted[sampling[j]] = o[:a + 1]
@@ -476,20 +548,39 @@ class Engine:
                              (s.first_token_s - s.arrival_s) if s.first_token_s else None,
                              (s.finish_s - s.arrival_s) if s.finish_s else None)
 
-    def _record(self, plan: SchedulerOutput, drafts, req_stats, batch: FlatBatch, t0, t1, t2, t3) -> None:
+    def _record(self, plan: SchedulerOutput, drafts, req_stats, t0, t1, t2, t3) -> None:
         rows = plan.rows
         prefill_tokens = sum(r.num_new for r in rows if not r.decode)
         verify_tokens = sum(1 + len(d.token_ids) for r, d in zip(rows, drafts) if r.decode)
-        total = max(1, prefill_tokens + verify_tokens)
-        forward_s = t2 - t1
-        # the prompt chunks ride in the same forward: their share of it, by tokens, is reported
-        # as prefill time so the controller prices an arm by its own verification tokens
-        prefill_s = forward_s * prefill_tokens / total
         st = StepStats(self.step_count, sum(1 for r in rows if r.decode),
                        sum(1 for r in rows if not r.decode), prefill_tokens, verify_tokens,
                        sum(r.seq.num_computed for r in rows), len(self.scheduler.waiting),
-                       prefill_s, t1 - t0, forward_s - prefill_s, t3 - t2, t3 - t0, req_stats)
+                       0.0, t1 - t0, t2 - t1, t3 - t2, t3 - t0, req_stats)
         self.step_count += 1
+        if self._timer is None:  # the CPU: host clocks, published now
+            self._publish(st, None)
+            return
+        self._unpublished.append((st, self._timer.lap()))
+        self.flush_stats(wait=not self.scheduler.has_unfinished())  # idle: nothing left to overlap
+
+    def flush_stats(self, wait: bool = True) -> None:
+        """Publish the steps whose timing events have run (CUDA), in order; every older step
+        is waited for, and with ``wait`` the latest too."""
+        q = self._unpublished
+        while q:
+            st, lap = q[0]
+            if len(q) == 1 and not wait and not lap.ready():
+                return
+            q.popleft()
+            self._publish(st, lap)
+
+    def _publish(self, st: StepStats, lap: Lap | None) -> None:
+        # verify_s holds the host-clock forward until here; on CUDA the events' time replaces it
+        forward_s = lap.seconds() if lap is not None else st.verify_s
+        # the prompt chunks ride in the same forward: their share of it, by tokens, is reported
+        # as prefill time so the controller prices an arm by its own verification tokens
+        st.prefill_s = forward_s * st.prefill_tokens / max(1, st.prefill_tokens + st.verify_tokens)
+        st.verify_s = forward_s - st.prefill_s
         self.last_step = st
         for fn in self.step_listeners:
             fn(st)

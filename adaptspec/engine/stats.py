@@ -98,3 +98,52 @@ class SpecStats:
             "wall_s": round(self.wall_s, 4),
             "cached_prompt_tokens": self.cached_prompt_tokens,
         }
+
+
+class ForwardTimer:
+    """The forward's time for ``StepStats`` on CUDA, from a pair of CUDA events (the CPU
+    keeps ``time.perf_counter`` and uses no timer).
+
+    ``start`` before the step's first launch; ``stop`` just before the step's one
+    device-to-host transfer (or at the step's end when it has none), so that the transfer,
+    which waits for the forward anyway, also completes the events: reading them then costs
+    no sync. A step without a transfer (prompt chunks only) is read one step later, once
+    the next step's transfer has run. A host clock would charge such a step's GPU time to
+    the next one. Events come from a small ring, nothing is allocated per step."""
+
+    RING = 4  # steps in flight at most: the current one and the one before
+
+    def __init__(self):
+        import torch
+
+        self._pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                       for _ in range(self.RING)]
+        self._i, self._stopped = 0, True
+
+    def start(self) -> None:
+        self._i = (self._i + 1) % self.RING
+        self._pairs[self._i][0].record()  # on the current stream, where the forward runs
+        self._stopped = False
+
+    def stop(self) -> None:
+        if not self._stopped:
+            self._pairs[self._i][1].record()
+            self._stopped = True
+
+    def lap(self) -> "Lap":
+        """This step's measurement (stopped now if it was not)."""
+        self.stop()
+        return Lap(*self._pairs[self._i])
+
+
+class Lap:
+    def __init__(self, start, end):
+        self.start, self.end = start, end
+
+    def ready(self) -> bool:
+        return self.end.query()
+
+    def seconds(self) -> float:
+        """Elapsed seconds; waits for the end event if it has not run yet."""
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1e3

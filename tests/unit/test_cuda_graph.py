@@ -1,0 +1,290 @@
+"""CUDA graphs of the target's forward (``adaptspec.models.cuda_graph``), the padded
+static-buffer path they replay, the CUDA step timing, and loading without a device-side copy.
+
+On the CPU the padded path runs eagerly (``cuda_graphs=True`` there: no capture), so the
+padding, the pad block and the buffers' layout are checked where the suite runs: the padded
+path must give the unpadded path's tokens (on the CPU kernels, bitwise its logits), and a
+pad block that a request owns must be caught. The CUDA cases (marker ``cuda``, skipped
+without a GPU) replay captured graphs against the eager engine token for token.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from adaptspec import Engine, SamplingParams, SpecConfig
+from adaptspec.models.attention import TritonAttention
+from adaptspec.models.cuda_graph import GraphRunner, token_buckets
+from adaptspec.models.llama import LlamaModel
+from tests.conftest import make_tiny_model
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="CUDA-only: needs a GPU (the padded path is tested on the CPU)")
+VOCAB = 64
+GREEDY = SamplingParams(max_new_tokens=20, temperature=0.0, ignore_eos=True)
+# a mixed batch: n-gram, draft model and plain rows verified in one pass
+SPECS = [SpecConfig("ngram", 3), SpecConfig("draft", 4), SpecConfig("none", 0), SpecConfig("draft", 2)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    # head_dim 16: the smallest the Triton kernel compiles for (tl.dot needs 16)
+    return make_tiny_model(tmp_path_factory.mktemp("graph_tiny"), vocab=VOCAB, hidden=64, layers=2, init=0.3,
+                           seed=7)
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    out = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (5, 21, 2, 40)]
+    out[1] = (out[1][:5] * 5)[:21]  # repetitive: n-gram lookup finds candidates
+    return out
+
+
+def _engine(folder, device="cpu", **kw) -> Engine:
+    return Engine.from_pretrained(str(folder), draft=str(folder), device=device, max_num_seqs=4,
+                                  max_model_len=128, **kw)
+
+
+class _Count:
+    """Counts the runner's steps (so a test knows the padded path really ran)."""
+
+    def __init__(self, runner: GraphRunner):
+        self.n, self.runner, self._fwd = 0, runner, runner.forward
+        runner.forward = self
+
+    def __call__(self, *a):
+        self.n += 1
+        return self._fwd(*a)
+
+
+def test_buckets():
+    assert token_buckets(512)[:11] == (1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64)
+    assert token_buckets(512)[-3:] == (448, 480, 512)
+    assert token_buckets(5) == (1, 2, 4, 5)  # the maximum is always a bucket
+    assert token_buckets(100)[-2:] == (96, 100)
+    with pytest.raises(ValueError, match="cuda_graph_max_tokens"):
+        token_buckets(0)
+
+
+def test_padded_path_gives_the_eager_tokens(folder):
+    """Greedy with speculation (n-gram, draft model, plain, batched): the padded static path
+    emits exactly the unpadded engine's tokens, and it really ran for the decode steps."""
+    prompts = _prompts()
+    want = [o.token_ids for o in _engine(folder).generate(prompts, GREEDY, SPECS)]
+    eng = _engine(folder, cuda_graphs=True)
+    assert eng.graphs is not None and not eng.graphs.capture
+    count = _Count(eng.graphs)
+    outs = eng.generate(prompts, GREEDY, SPECS)
+    assert [o.token_ids for o in outs] == want
+    assert count.n >= GREEDY.max_new_tokens // 2  # the decode steps went through it
+    assert sum(o.stats.accepted for o in outs) > 0  # speculation ran
+
+
+def test_padded_logits_equal_the_unpadded_ones(folder):
+    """One verification step through the runner against the model's own forward on the
+    exact batch: the CPU kernels compute each row alone, so the logits are bitwise equal."""
+    from adaptspec.models.batch import FlatBatch
+
+    eng = _engine(folder, cuda_graphs=True)
+    model, runner = eng.target.model, eng.graphs
+    tables = [[3, 1], [0], [2, 4]]
+    rows, ctx = [[5, 6, 7], [8], [9, 10]], [17, 4, 20]
+    logits_rows = list(range(6))
+    for ts, c, t in zip(tables, ctx, rows):  # fill the cached prefixes the rows attend to
+        pre = list(range(1, c + 1))
+        model.forward(FlatBatch.build([pre], [0], [ts], [], model.block_size, "cpu"))
+    kc = [k.clone() for k in model.k_cache]
+    got, gh = runner.forward(rows, ctx, tables, logits_rows)
+    got, gh = got.clone(), gh.clone()
+    assert runner.bucket(6) == 8  # two padding rows
+    for k, saved in zip(model.k_cache, kc):  # only the pad block differs ... rewrite the rows' own slots
+        k.copy_(saved)
+    want, wh = model.forward(FlatBatch.build(rows, ctx, tables, logits_rows, model.block_size, "cpu"))
+    assert torch.equal(got, want) and torch.equal(gh, wh)
+
+
+def test_a_pad_block_that_a_request_owns_is_caught(folder):
+    """Negative control: padding rows writing into block 0, which the first request owns,
+    corrupt its keys, and the comparison with the eager tokens catches it."""
+    prompts = _prompts()
+    want = [o.token_ids for o in _engine(folder).generate(prompts, GREEDY, SPECS)]
+    eng = _engine(folder, cuda_graphs=True)
+    eng.graphs.pad_block = 0
+    got = [o.token_ids for o in eng.generate(prompts, GREEDY, SPECS)]
+    assert got != want
+
+
+def test_padding_rows_only_touch_the_pad_block(folder):
+    """After padded steps, every block but the pad block holds what the eager engine wrote."""
+    prompts = _prompts()[:2]
+    a, b = _engine(folder), _engine(folder, cuda_graphs=True)
+    a.generate(prompts, GREEDY, SPECS[:2])
+    b.generate(prompts, GREEDY, SPECS[:2])
+    pad = b.graphs.pad_block
+    assert pad == b.num_blocks and b.target.model.num_blocks == b.num_blocks + 1
+    for ka, kb in zip(a.target.model.k_cache, b.target.model.k_cache):
+        assert torch.equal(ka, kb[:pad])
+    assert b.target.model.k_cache[0][pad].abs().sum() > 0  # the padding rows did write there
+
+
+def test_graph_safe_row_to_sequence_map():
+    """The Triton backend's row -> sequence map comes from cu_seqlens on the device (no host
+    list): right for empty sequences and a trailing padding sequence."""
+    cu = torch.tensor([0, 3, 3, 4, 8, 8, 8], dtype=torch.int32)  # seq 1 and 4, 5 empty; 4..7 padding (seq 3)
+    pos = torch.zeros(8, dtype=torch.long)
+    from adaptspec.models.batch import FlatBatch
+
+    batch = FlatBatch(torch.zeros(8, dtype=torch.long), pos, cu, torch.zeros(6, dtype=torch.int32),
+                      torch.zeros(6, 1, dtype=torch.int32), pos, pos, [3, 0, 1, 4, 0, 0], [0] * 6, 1, 16)
+    attn = TritonAttention(4, 2, 16, torch.ones(4, 16), torch.zeros(4, 16))
+    seq_of, _, _ = attn.prepare(batch)
+    assert seq_of.dtype == torch.int32
+    assert seq_of.tolist() == [0, 0, 0, 2, 3, 3, 3, 3]
+
+
+def test_padded_triton_path_equals_unpadded_under_the_interpreter(folder):
+    """The exact CUDA path but the capture: the Triton attention on the padded static batch
+    (under the Triton interpreter on the CPU) gives the unpadded batch's logits."""
+    from adaptspec_kernels.testing import load_kernels_or_skip
+
+    load_kernels_or_skip()
+    from adaptspec.models.batch import FlatBatch
+    from adaptspec.models.loader import load_model
+
+    m = load_model(str(folder), matmul="reference", quiet=True).model
+    c = m.cfg
+    m._cuda_attn = TritonAttention(c.num_heads, c.num_kv_heads, c.head_dim, m.cos, m.sin)
+    assert m.attn is m._cuda_attn
+    m.allocate_kv(9, 16)
+    runner = GraphRunner(m, max_tokens=16, max_seqs=4, max_blocks_per_seq=4, pad_block=8, capture=False)
+    tables, ctx, rows = [[3, 1], [0], [2, 4]], [0, 0, 0], [[5, 6, 7, 1, 2], [8], [9, 10, 11]]
+    kc = [k.clone() for k in m.k_cache]
+    got = runner.forward(rows, ctx, tables, list(range(9)))[0].clone()
+    for k, saved in zip(m.k_cache, kc):
+        k.copy_(saved)
+    want = m.forward(FlatBatch.build(rows, ctx, tables, list(range(9)), 16, "cpu"))[0]
+    assert runner.bucket(9) == 16
+    assert (got - want).abs().max() <= 1e-5
+
+
+def test_runner_refuses_what_it_cannot_run(folder):
+    eng = _engine(folder, cuda_graphs=True)
+    r = eng.graphs
+    assert not r.fits(r.max_tokens + 1, 1, 1) and not r.fits(1, r.max_seqs + 1, 1) and not r.fits(1, 1, r.width + 1)
+    with pytest.raises(ValueError, match="buckets"):
+        r.forward([[1]] * (r.max_seqs + 1), [0] * (r.max_seqs + 1), [[0]] * (r.max_seqs + 1),
+                  list(range(r.max_seqs + 1)))
+    with pytest.raises(ValueError, match="capturing needs a CUDA device"):
+        GraphRunner(eng.target.model, max_tokens=8, max_seqs=1, max_blocks_per_seq=1, pad_block=0, capture=True)
+    with pytest.raises(ValueError, match="cuda_graph_max_tokens"):
+        _engine(folder, cuda_graph_max_tokens=0)
+
+
+def test_cpu_default_has_no_graph_path(folder):
+    """Off on the CPU by default: no runner, no pad block, host-clock timings published at once."""
+    eng = _engine(folder)
+    assert eng.graphs is None and eng.target.model.num_blocks == eng.num_blocks
+    seen = []
+    eng.step_listeners.append(seen.append)
+    eng.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert [s.step for s in seen] == list(range(len(seen))) and eng.last_step is seen[-1]
+
+
+def test_loading_moves_only_final_tensors_in_the_model_dtype(folder, monkeypatch):
+    """An fp32 checkpoint loaded as bf16: every tensor that reaches the device is bf16 and
+    final (moved once; together exactly the model's weights and rotary tables), so the
+    device never holds fp32 weights, concatenation sources or copies."""
+    from adaptspec.models.loader import load_model
+
+    moved = []
+    orig = LlamaModel._place
+
+    def spy(self, t):
+        out = orig(self, t)
+        moved.append(out)
+        return out
+
+    monkeypatch.setattr(LlamaModel, "_place", spy)
+    m = load_model(str(folder), dtype="bf16", matmul="reference", quiet=True).model
+    assert moved and all(t.dtype == torch.bfloat16 for t in moved)
+    assert len({t.data_ptr() for t in moved}) == len(moved)  # nothing moved twice
+    held = [m.embed, m.norm, m.cos, m.sin, *(x for lay in m.layers for x in lay if x is not None)]
+    if not m.cfg.tie_word_embeddings:
+        held.append(m.lm_head)
+    assert sorted(t.data_ptr() for t in held) == sorted(t.data_ptr() for t in moved)
+
+
+# ---- CUDA ---------------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_graph_replay_equals_eager_token_for_token(folder, dtype):
+    prompts = _prompts()
+    eager = _engine(folder, "cuda", dtype=dtype, cuda_graphs=False)
+    assert eager.graphs is None
+    want = [o.token_ids for o in eager.generate(prompts, GREEDY, SPECS)]
+    eng = _engine(folder, "cuda", dtype=dtype)  # None: on for CUDA
+    assert eng.graphs is not None and eng.graphs.capture and eng.graphs.graph_bytes > 0
+    count = _Count(eng.graphs)
+    assert [o.token_ids for o in eng.generate(prompts, GREEDY, SPECS)] == want
+    assert count.n >= GREEDY.max_new_tokens // 2
+    # the padded path run eagerly on CUDA (same kernels, same shapes) gives what the graphs do
+    padded = _engine(folder, "cuda", dtype=dtype)
+    padded.graphs.capture = False
+    assert [o.token_ids for o in padded.generate(prompts, GREEDY, SPECS)] == want
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_graph_replay_with_sampling_matches_eager(folder):
+    """Seeded sampled requests draw the same tokens with and without graphs."""
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)
+    prompts = _prompts()
+    want = [o.token_ids for o in _engine(folder, "cuda", cuda_graphs=False).generate(prompts, params, SPECS)]
+    assert [o.token_ids for o in _engine(folder, "cuda").generate(prompts, params, SPECS)] == want
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_step_timings_come_from_events_in_order(folder):
+    eng = _engine(folder, "cuda")
+    seen = []
+    eng.step_listeners.append(seen.append)
+    outs = eng.generate(_prompts(), GREEDY, SPECS)
+    assert outs and not eng._unpublished  # idle: every step published
+    assert [s.step for s in seen] == list(range(eng.step_count))
+    assert all(s.verify_s + s.prefill_s > 0 for s in seen)
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_kv_fraction_is_sized_after_the_graphs(folder):
+    eng = _engine(folder, "cuda", kv_cache_memory=0.05)
+    free, _ = torch.cuda.mem_get_info()
+    per_block = eng.target.model.kv_bytes_per_block(16) * 2  # target and draft
+    assert eng.num_blocks > 0 and eng.graphs.graph_bytes > 0
+    assert eng.num_blocks * per_block <= 0.05 * (free + eng.num_blocks * per_block + eng.graphs.graph_bytes) * 1.01
+    assert eng.generate([[1, 2, 3]], GREEDY)[0].token_ids
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_bf16_loading_peaks_near_the_weights(tmp_path):
+    """An fp32 checkpoint loaded as bf16 onto the GPU peaks at <= 1.2x the bf16 weights."""
+    from adaptspec.models.loader import load_model
+
+    folder = make_tiny_model(tmp_path / "m", vocab=2048, hidden=256, layers=4, init=0.02, seed=1)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    m = load_model(str(folder), dtype="bf16", device="cuda", quiet=True).model
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    held = torch.cuda.memory_allocated() - base
+    weights = sum(t.numel() * t.element_size() for t in
+                  [m.embed, m.norm, m.cos, m.sin, m.lm_head, *(x for lay in m.layers for x in lay if x is not None)])
+    assert held <= 1.05 * weights
+    assert peak <= 1.2 * weights, (peak, weights)
