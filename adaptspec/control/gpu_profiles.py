@@ -28,8 +28,20 @@ part of the project. Assumptions, every one of them:
 7. KV capacity: 90% of GPU memory minus bf16 weights of target and draft, divided by the
    KV bytes per token of both models. Running requests at most 256; step token budget
    8192 (chunked prefill).
+
+``match_gpu_profile`` prices another model on an H100 or H200 the same way: the measured
+layer source whose linear parameters per layer are nearest the model's (within 2x either
+way), scaled by their ratio as in 1., the output layer as in 2., the KV bytes from the
+model's own heads; a draft model likewise (otherwise the built-in 1B draft). It refuses
+(``ProfileMismatch``, with the reason) a GPU other than H100/H200, a dtype other than
+bf16/fp16, and a model too far from every source to scale (e.g. 0.5B: such a model is
+bound by kernel launches on these GPUs, not by its layers' arithmetic).
 """
 from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -99,7 +111,11 @@ def gpu_profile(name: str) -> ProfileFile:
     if name not in GPU_PROFILES:
         raise ValueError(f"hardware.profile: unknown {name!r}; built-in: {sorted(BUILTIN)}")
     gpu, t_name, d_name = GPU_PROFILES[name]
-    target, draft = MODELS[t_name], MODELS[d_name]
+    return _profile(gpu, MODELS[t_name], MODELS[d_name],
+                    name=f"{gpu.upper()} {t_name} target + {d_name} draft (built from H100 layer profiles)")
+
+
+def _profile(gpu: str, target: _Model, draft: _Model, name: str) -> ProfileFile:
     tp = target.tp
     # weights per GPU; a TP-1 draft beside a TP-4 target sits on one GPU, counted there
     weights_gb = 2 * target.params_b / tp + 2 * draft.params_b / draft.tp
@@ -108,12 +124,12 @@ def gpu_profile(name: str) -> ProfileFile:
     draft_batch = [1, 8, 16, 32, 64, 96, 128, 192, 256]
     d_lin = draft.linear_s(gpu)[: len(draft_batch)]
     return ProfileFile(
-        name=f"{gpu.upper()} {t_name} target + {d_name} draft (built from H100 layer profiles)",
+        name=name,
         verify_tokens=[float(k) for k in KNOTS], verify_s=[float(x) for x in target.linear_s(gpu)],
         verify_context_s_per_token=target.context_s_per_token(gpu),
         draft_batch=[float(b) for b in draft_batch], draft_s=[float(x) for x in d_lin],
         draft_context_s_per_token=draft.context_s_per_token(gpu),
-        ngram_s_per_request=20e-6, step_overhead_s=1.0e-3 if t_name == "8b" else 1.5e-3,
+        ngram_s_per_request=20e-6, step_overhead_s=1.0e-3 if target.tp == 1 else 1.5e-3,
         kv_capacity_tokens=kv_tokens, max_num_seqs=256, max_batched_tokens=8192, calibrated=False,
         notes=["built by adaptspec.control.gpu_profiles; see its docstring for every assumption"])
 
@@ -149,3 +165,150 @@ def builtin_profile(name: str) -> ProfileCostModel:
         if dtype in ("bf16", "fp32"):
             return ProfileCostModel(cpu_profile(dtype))
     return ProfileCostModel(gpu_profile(name))
+
+
+# ---- matching a model's shapes to the measured layers ------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the profiles need of a Llama-family model (whole model; ``tp`` splits it)."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    head_dim: int | None = None  # None: hidden / heads
+    dtype_bytes: int = 2
+    gated_mlp: bool = True  # SwiGLU (gate, up, down); False: two matrices (phi-2)
+    tp: int = 1
+    tied: bool = False  # the output layer is the embedding
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    def linear_params_per_layer(self) -> float:
+        """Per GPU: q, k, v, o and the MLP's matrices."""
+        attn = self.hidden * self.hd * (2 * self.heads + 2 * self.kv_heads)
+        mlp = (3 if self.gated_mlp else 2) * self.hidden * self.intermediate
+        return (attn + mlp) / self.tp
+
+    def kv_bytes_per_token(self) -> int:
+        """Per GPU: keys and values of every layer."""
+        return int(2 * self.layers * self.kv_heads * self.hd * self.dtype_bytes / self.tp)
+
+    def params_b(self) -> float:
+        emb = self.vocab * self.hidden * (1 if self.tied else 2)
+        return (self.layers * self.linear_params_per_layer() * self.tp + emb) / 1e9
+
+    @classmethod
+    def from_config(cls, cfg: dict, dtype: str = "bfloat16", tp: int = 1) -> "ModelShape":
+        """From a transformers ``config.json`` (as a dict)."""
+        try:
+            heads = int(cfg["num_attention_heads"])
+            return cls(hidden=int(cfg["hidden_size"]), layers=int(cfg["num_hidden_layers"]), heads=heads,
+                       kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                       intermediate=int(cfg["intermediate_size"]), vocab=int(cfg["vocab_size"]),
+                       head_dim=cfg.get("head_dim"), dtype_bytes=DTYPE_BYTES.get(dtype, 0), tp=tp,
+                       tied=bool(cfg.get("tie_word_embeddings", False)))
+        except KeyError as e:
+            raise ProfileMismatch(f"config.json has no {e.args[0]}") from None
+
+
+DTYPE_BYTES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "float32": 4, "fp32": 4}
+# the measured sources as models: (shape, gate/up output columns of the whole model)
+SOURCES = {
+    "llama2-7b-tp1": (ModelShape(4096, 32, 32, 32, 11008, 32000), 2 * 11008),
+    "llama2-7b-tp4": (ModelShape(4096, 32, 32, 32, 11008, 32000, tp=4), 2 * 11008),
+    "llama2-70b-tp4": (ModelShape(8192, 80, 64, 8, 28672, 32000, tp=4), 2 * 28672),
+    "phi2-tp1": (ModelShape(2560, 32, 32, 32, 10240, 51200, gated_mlp=False), 10240),
+}
+# the built-in models' shapes (Llama-3.1-8B, Llama-3.1-70B, Llama-3.2-1B): names for the log
+BUILTIN_SHAPES = {
+    "8b": ModelShape(4096, 32, 32, 8, 14336, 128256),
+    "70b-tp4": ModelShape(8192, 80, 64, 8, 28672, 128256, tp=4),
+    "1b": ModelShape(2048, 16, 32, 8, 8192, 128256, head_dim=64, tied=True),
+}
+MAX_SCALE = 2.0  # how far a measured layer profile may be scaled (either way)
+
+
+class ProfileMismatch(ValueError):
+    """No built-in GPU profile fits (the message says why)."""
+
+
+def gpu_kind(device_name: str) -> str | None:
+    """"h100" / "h200" from a CUDA device name ("NVIDIA H100 80GB HBM3", "NVIDIA H200",
+    "NVIDIA GH200 480GB" counts as an H200: HBM3e at about its bandwidth), else None."""
+    name = device_name.upper()
+    if re.search(r"H200", name):
+        return "h200"
+    if re.search(r"\bH100\b", name):
+        return "h100"
+    return None
+
+
+def _source_for(shape: ModelShape) -> tuple[str, float]:
+    """The measured source with the same tensor parallelism nearest in linear parameters per
+    layer, and the scale (ratio) to it."""
+    same_tp = [n for n, (src, _) in SOURCES.items() if src.tp == shape.tp]
+    if not same_tp:
+        raise ProfileMismatch(f"no measured layers at tensor parallelism {shape.tp} (have 1 and 4)")
+    name = min(same_tp, key=lambda n: abs(math.log(shape.linear_params_per_layer()
+                                                   / SOURCES[n][0].linear_params_per_layer())))
+    return name, shape.linear_params_per_layer() / SOURCES[name][0].linear_params_per_layer()
+
+
+def model_from_shape(shape: ModelShape) -> tuple[_Model, str, float]:
+    """A ``_Model`` priced from the nearest measured layers: (model, source, scale)."""
+    source, scale = _source_for(shape)
+    if not 1 / MAX_SCALE <= scale <= MAX_SCALE:
+        src = SOURCES[source][0]
+        raise ProfileMismatch(
+            f"{shape.linear_params_per_layer() / 1e6:.1f}M linear parameters per layer (per GPU) are {scale:.2f}x "
+            f"the nearest measured layers ({source}, {src.linear_params_per_layer() / 1e6:.1f}M); only "
+            f"1/{MAX_SCALE:g}x..{MAX_SCALE:g}x is scaled")
+    src, up_cols = SOURCES[source]
+    head_ratio = shape.vocab * shape.hidden / (up_cols * src.hidden)  # output layer vs measured gate/up
+    model = _Model(source, scale, shape.layers, head_ratio, shape.hidden, shape.kv_bytes_per_token(),
+                   shape.params_b(), shape.tp)
+    return model, source, scale
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileMatch:
+    gpu: str  # h100 | h200
+    source: str  # the measured layer profile the target's were scaled from
+    scale: float  # the target's linear parameters per layer over the source's
+    nearest_builtin: str  # the built-in profile of the nearest shape, e.g. h200-8b-1b
+    draft: str  # how the draft model was priced
+    profile: ProfileFile
+
+    def describe(self) -> str:
+        return (f"{self.gpu.upper()}: target layers from {self.source} x {self.scale:.3f} (nearest built-in "
+                f"{self.nearest_builtin}); draft: {self.draft}")
+
+
+def match_gpu_profile(device_name: str, target: ModelShape, draft: ModelShape | None = None) -> ProfileMatch:
+    """The built-in H100/H200 profile method applied to ``target`` (and ``draft``) on the GPU
+    named ``device_name``; ``ProfileMismatch`` says why not."""
+    gpu = gpu_kind(device_name)
+    if gpu is None:
+        raise ProfileMismatch(f"GPU {device_name!r} is not an H100 or H200 (the built-in profiles' GPUs)")
+    if target.dtype_bytes != 2:
+        raise ProfileMismatch(f"the built-in profiles are for 2-byte weights (bf16/fp16), the model has "
+                              f"{target.dtype_bytes or 'unknown'}-byte ones")
+    t_model, source, scale = model_from_shape(target)
+    d_model, d_note = MODELS["1b"], "the built-in 1B draft (Llama-3.2-1B shapes)"
+    if draft is not None:
+        try:
+            d_model, d_source, d_scale = model_from_shape(draft)
+            d_note = f"layers from {d_source} x {d_scale:.3f}"
+        except ProfileMismatch as e:
+            d_note += f"; the draft's own shapes do not fit: {e}"
+    near = min(("8b", "70b-tp4"), key=lambda n: abs(math.log(BUILTIN_SHAPES[n].params_b() / target.params_b())))
+    nearest = f"{gpu}-{near}-{'1b' if near == '8b' else '8b-tp4'}"
+    profile = _profile(gpu, t_model, d_model, name=f"{gpu.upper()} {target.params_b():.1f}B-shaped target "
+                       f"({source} layers x {scale:.3f}) + draft ({d_note})")
+    return ProfileMatch(gpu, source, scale, nearest, d_note, profile)

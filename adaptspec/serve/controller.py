@@ -87,7 +87,7 @@ class ControlCore:
                              if c.tpot_s is not None or c.ttft_s is not None)
         m = config.models
         self.prior_cost = load_cost_prior(config.controller.cost_profile, target=m.target, dtype=m.dtype,
-                                          device=m.device)
+                                          device=m.device, draft=m.draft)
         self.policy_name = config.controller.policy
         self.policy = self._make(self.policy_name, "controller.policy")
         # every policy used in this process, by name: switching back resumes what it learned
