@@ -26,7 +26,7 @@ from tests.conftest import make_tiny_model
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (run on a GPU by `make gpu-check`)")
-DEVICES = ["cpu", pytest.param("cuda", marks=needs_cuda)]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda])]
 VOCAB, NEW = 128, 24
 # a mixed batch: draft model, n-gram and plain rows verified in one flattened pass
 SPECS = [SpecConfig("draft", 4), SpecConfig("ngram", 3), SpecConfig("none", 0), SpecConfig("draft", 2)]
@@ -121,6 +121,7 @@ def test_the_teacher_forced_check_can_fail(folder, reference):
     assert flagged and flagged[0][0] == 5
 
 
+@pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_triton_verifier_in_the_engine_equals_torch_draw_for_draw(folder, dtype):
@@ -139,6 +140,7 @@ def test_triton_verifier_in_the_engine_equals_torch_draw_for_draw(folder, dtype)
     assert runs["triton"] == runs["torch"]
 
 
+@pytest.mark.cuda
 @needs_cuda
 def test_auto_verifier_on_cuda_is_triton(folder):
     pytest.importorskip("triton")
