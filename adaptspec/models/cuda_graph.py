@@ -22,9 +22,11 @@ attention backend under capture must be ``graph_safe`` (``models.attention``): t
 paged attention, whose grid depends on the bucket only.
 
 Capture follows torch's documented recipe: warm-up runs on a side stream (Triton compiles,
-cuBLAS picks its kernels) before ``torch.cuda.graph``; the largest bucket is captured first
-and every other graph shares its memory pool. A graph's outputs are only valid until the
-next replay of any graph: callers consume them within the step.
+cuBLAS picks its kernels) before ``torch.cuda.graph``; the largest bucket is captured first,
+every other graph shares its memory pool and copies its logits and hidden states into the
+largest one's outputs (so the outputs take ``max_tokens`` rows once, not once per bucket).
+A graph's outputs are only valid until the next replay of any graph: callers consume them
+within the step.
 """
 from __future__ import annotations
 
@@ -181,12 +183,15 @@ class GraphRunner:
                     model.forward(batches[N], feature_layers=self.feature_layers)
         torch.cuda.current_stream(dev).wait_stream(side)
         torch.cuda.synchronize(dev)
-        pool = None
+        pool, shared = None, None
         for N in reversed(self.buckets):  # largest first: the smaller graphs reuse its pool's blocks
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=pool):
                 out = model.forward(batches[N], feature_layers=self.feature_layers)
+                if shared is not None:  # into the largest graph's outputs: one [max_tokens, vocab] in all
+                    out = tuple(buf[:N].copy_(x) for buf, x in zip(shared, out))
             pool = g.pool() if pool is None else pool
+            shared = out if shared is None else shared
             self.graphs[N], self._outputs[N] = g, out
         torch.cuda.synchronize(dev)
         torch.cuda.empty_cache()
