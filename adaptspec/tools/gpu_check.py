@@ -90,6 +90,9 @@ class Options:
     spec_k: int = 4
     test_timeout_s: float = 210.0
     commit: str | None = None
+    # run the graph sections on the CPU too: the engine's padded static-buffer path without
+    # capture (EngineConfig.cuda_graphs=True there), so their code runs before a GPU sees it
+    graphs_on_cpu: bool = False
 
     def __post_init__(self) -> None:
         if self.device not in ("cuda", "cpu"):
@@ -281,7 +284,11 @@ def env_section(opts: Options) -> dict:
         "device": opts.device,
     }
     if opts.device == "cuda":
-        p = torch.cuda.get_device_properties(0)
+        try:
+            p = torch.cuda.get_device_properties(0)
+        except Exception as e:  # the rest of the environment is still worth recording
+            out["gpu"] = {"error": f"{type(e).__name__}: {e}"}
+            return out
         out["gpu"] = {"name": p.name, "capability": f"{p.major}.{p.minor}", "multiprocessors": p.multi_processor_count,
                       "memory_gib": round(p.total_memory / 2**30, 2), "count": torch.cuda.device_count()}
         with contextlib.suppress(Exception):
@@ -375,6 +382,10 @@ def run_pytest(files: list[str], timeout_s: float, *, cwd: Path = REPO, extra_pa
 def tests_section(opts: Options, left_s: float, shim: str | None) -> dict:
     if opts.device != "cuda":
         return {"status": "skipped", "reason": "CUDA-only: the CUDA test subset runs on a CUDA device"}
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"status": "skipped", "reason": "torch sees no CUDA device"}
     timeout = max(10.0, min(opts.test_timeout_s, left_s))
     return run_pytest(cuda_test_files(), timeout, extra_path=shim)
 
@@ -442,6 +453,10 @@ def model_section(opts: Options, state: dict) -> dict:
     if opts.device == "cuda":
         out["memory_allocated_gib"] = round(torch.cuda.memory_allocated() / 2**30, 2)
     return out
+
+
+def _graphs_here(opts: Options) -> bool:
+    return opts.device == "cuda" or opts.graphs_on_cpu
 
 
 def engine_fields() -> set[str]:
@@ -537,7 +552,7 @@ def _lengths(opts: Options) -> tuple[int, int]:
 def decode_section(opts: Options, state: dict, graphs: bool) -> dict:
     from adaptspec.engine.params import SpecConfig
 
-    if graphs and opts.device != "cuda":
+    if graphs and not _graphs_here(opts):
         return {"status": "skipped", "reason": "CUDA graphs need a CUDA device"}
     if graphs and "cuda_graphs" not in engine_fields():
         return {"status": "skipped", "reason": "this engine has no EngineConfig.cuda_graphs"}
@@ -562,29 +577,18 @@ def decode_section(opts: Options, state: dict, graphs: bool) -> dict:
     return out
 
 
-class FixedProposer:
-    """Proposes ``k`` copies of the last token: the step verifies k + 1 rows whatever is
-    accepted (the cost of verification by token count, not a drafter)."""
+def fixed_proposer():
+    """A drafter proposing ``k`` copies of the last token: the step verifies k + 1 rows
+    whatever is accepted (the cost of verification by token count, not a drafter)."""
+    from adaptspec.engine.proposers import Draft, Proposer
 
-    name = "fixed"
-    wants_features = False
+    class FixedProposer(Proposer):
+        name = "fixed"
 
-    def propose(self, seqs, ks):
-        from adaptspec.engine.proposers import Draft
+        def propose(self, seqs, ks):
+            return [Draft([s.token_ids[-1]] * k, None, None) for s, k in zip(seqs, ks)]
 
-        return [Draft([s.token_ids[-1]] * k, None, None) for s, k in zip(seqs, ks)]
-
-    def on_verified(self, seq, num_tokens_before, num_accepted, hidden=None):
-        pass
-
-    def on_admit(self, seq):
-        pass
-
-    def release(self, seq):
-        pass
-
-    def observe(self, seqs, starts, counts, features):
-        pass
+    return FixedProposer()
 
 
 def forward_cost(model, device: str, ctx: int, max_tokens: int = 9, reps: int = 10) -> dict[int, float]:
@@ -614,13 +618,13 @@ def verify_cost_section(opts: Options, state: dict) -> dict:
     out["forward"] = {"ms": {str(n): round(v, 4) for n, v in fwd.items()},
                       "relative": {str(n): round(v, 4) for n, v in relative(fwd).items()}}
     state["forward_ms"] = fwd
-    modes = [False] + ([True] if opts.device == "cuda" and "cuda_graphs" in engine_fields() else [])
+    modes = [False] + ([True] if _graphs_here(opts) and "cuda_graphs" in engine_fields() else [])
     for graphs in modes:
         key = "engine_graphs" if graphs else "engine"
         try:
             eng = make_engine(tgt, graphs=graphs, max_num_seqs=1, max_model_len=max_len,
                               cuda_graph_max_tokens=16)
-            eng.add_proposer("draft", FixedProposer())
+            eng.add_proposer("draft", fixed_proposer())
             ms = {}
             for k in range(0, 9):
                 spec = SpecConfig("draft", k) if k else SpecConfig()
@@ -658,7 +662,7 @@ def spec_section(opts: Options, state: dict) -> dict:
     # the self-draft runs eager only: its twin model shares the target's attributes, and
     # whatever per-model state graph capture keeps must not be shared
     runs = [("self_draft", True, False, False), ("ngram", False, True, False)]
-    if opts.device == "cuda" and "cuda_graphs" in engine_fields():
+    if _graphs_here(opts) and "cuda_graphs" in engine_fields():
         runs.append(("ngram_graphs", False, True, True))
     for name, with_draft, repetitive, graphs in runs:
         plain = state.get("plain_graphs" if graphs else "plain_eager") or {}
@@ -699,6 +703,19 @@ def estimates(opts: Options) -> dict[str, float]:
         return {s: 2.0 for s in SECTIONS}
     return {"env": 5, "tests": 60, "bandwidth": 5, "model": 30, "decode": 45, "graphs": 60, "verify_cost": 25,
             "spec": 40}
+
+
+def _release_memory(device: str) -> None:
+    """Engines hold themselves in cycles (scheduler callbacks): collect them, so their graphs
+    and buffers leave the device before the next section builds its own."""
+    import gc
+
+    gc.collect()
+    if device == "cuda":
+        with contextlib.suppress(Exception):
+            import torch
+
+            torch.cuda.empty_cache()
 
 
 def _err(e: BaseException) -> dict:
@@ -776,6 +793,8 @@ class Check:
                 rec = {"status": "ok", **data} if "status" not in data else dict(data)
             except (Exception, SectionTimeout) as e:
                 rec = {"status": "error", **_err(e)}
+            finally:
+                _release_memory(self.opts.device)
             rec["elapsed_s"] = round(time.monotonic() - t0, 2)
         if rec["status"] == "error":
             self.result["errors"].append(f"{name}: {rec.get('error')}")
@@ -920,6 +939,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--test-timeout-s", type=float, default=210.0)
     ap.add_argument("--commit", default=None, help="git commit to record where the tree has no .git")
     ap.add_argument("--carry-check", action="store_true", help="check what a device run needs from this tree; exit")
+    ap.add_argument("--graphs-on-cpu", action="store_true", help=argparse.SUPPRESS)  # the graph sections' code, no GPU
     a = ap.parse_args(argv)
     if a.carry_check:
         ok, lines = carry_check()
@@ -929,7 +949,7 @@ def main(argv: list[str] | None = None) -> int:
         opts = Options(device=a.device, tiny=a.tiny, budget_s=a.budget_s, out=a.out,
                        sections=tuple(x for x in a.sections.split(",") if x),
                        batches=tuple(int(x) for x in a.batches.split(",") if x), decode_steps=a.decode_steps,
-                       spec_k=a.spec_k, test_timeout_s=a.test_timeout_s, commit=a.commit)
+                       spec_k=a.spec_k, test_timeout_s=a.test_timeout_s, commit=a.commit, graphs_on_cpu=a.graphs_on_cpu)
     except ValueError as e:
         ap.error(str(e))
     check = Check(opts)

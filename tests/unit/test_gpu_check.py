@@ -52,6 +52,22 @@ def test_tiny_cpu_run_writes_one_json_with_every_section(tiny_run):
     assert sm["goals"]["graphs_over_eager_b1"]["met"] is None  # not measured on the CPU
 
 
+def test_the_graph_sections_run_their_code_on_the_cpu(tmp_path):
+    """With graphs_on_cpu the engine runs its padded static-buffer path (no capture): the
+    graphs, verify-cost and n-gram-with-graphs code paths run here before a GPU sees them."""
+    opts = gc.Options(device="cpu", tiny=True, out=tmp_path / "g.json", batches=(1, 2), decode_steps=3,
+                      graphs_on_cpu=True, sections=("model", "decode", "graphs", "verify_cost", "spec"))
+    result = gc.Check(opts).run()
+    s = result["sections"]
+    assert result["errors"] == [], result["errors"]
+    assert s["graphs"]["status"] == "ok" and s["graphs"]["mode"] == "graphs" and s["graphs"]["cuda_graphs"] is True
+    assert s["decode"]["cuda_graphs"] is False
+    assert set(s["graphs"]["by_batch"]) == {"1", "2"}
+    assert s["verify_cost"]["engine_graphs"]["relative"]["1"] == 1.0
+    assert "ngram_graphs/b1" in s["spec"]["runs"]
+    assert result["summary"]["graphs_over_eager_b1"] > 0
+
+
 def test_the_printed_table_names_every_number(tiny_run):
     text = gc.table(tiny_run[0])
     for word in ("copy bandwidth", "decode (eager)", "verify n tokens / one (forward)", "spec self_draft/b1",
