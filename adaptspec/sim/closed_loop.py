@@ -161,6 +161,8 @@ def _replicas(setup: RunSetup, policy: Policy, req: Requests, rec: Recorder) -> 
         kw["drafters"] = setup.drafters
     if getattr(setup, "admission", None) is not None:
         kw["admission"] = copy.deepcopy(setup.admission)
+    if any(getattr(setup, "host_gap", ())):
+        kw["host_gap"] = setup.host_gap
     return [Replica(setup.cost, policy, setup.classes, req, rec, np.random.default_rng([setup.seed, i]), setup.max_k,
                     **kw) for i in range(setup.replicas)]
 

@@ -353,12 +353,31 @@ class SimLevel:
     arrivals_s: np.ndarray | None = None  # open loop: the send times (s from the start)
 
 
+def fit_host_gap(samples) -> tuple[float, float]:
+    """(a, b): seconds between two engine steps, while work was left, as a + b x requests in
+    the step before (least squares over ``samples`` of (requests, seconds): the mean is what
+    throughput feels). b < 0, or a line below zero at one request: the mean gap alone."""
+    x = np.array([r for r, _ in samples], dtype=float)
+    y = np.array([g for _, g in samples], dtype=float)
+    if y.size == 0:
+        return 0.0, 0.0
+    mean = max(float(y.mean()), 0.0)
+    if y.size < 3 or np.ptp(x) == 0:
+        return mean, 0.0
+    b, a = np.polyfit(x, y, 1)
+    if b < 0 or a + b * max(x.min(), 1.0) < 0:
+        return mean, 0.0
+    return float(a), float(b)
+
+
 def simulate_level(level: SimLevel, *, policy, cost, truths, classes, prompt_set, warmup_s: float, duration_s: float,
-                   drain_s: float, max_k: int, seed: int, bin_s: float = 0.5) -> tuple[Run, dict[str, dict[str, float]]]:
+                   drain_s: float, max_k: int, seed: int, bin_s: float = 0.5,
+                   host_gap: tuple[float, float] = (0.0, 0.0)) -> tuple[Run, dict[str, dict[str, float]]]:
     """One simulated run of ``level`` with ``policy``: its rows and window, and arm steps per class.
 
     ``classes``: ``ClassSpec``s in the load test's order (their lengths come from
-    ``prompt_set``, sent round-robin as the live load test sends them)."""
+    ``prompt_set``, sent round-robin as the live load test sends them). ``host_gap``: the
+    host's seconds between steps (``fit_host_gap``)."""
     from adaptspec.sim.closed_loop import RequestSource, simulate_closed_loop
     from adaptspec.sim.scenario import ThinkTimeSpec
     from adaptspec.sim.simulator import RunSetup, simulate
@@ -369,7 +388,8 @@ def simulate_level(level: SimLevel, *, policy, cost, truths, classes, prompt_set
     horizon = warmup_s + duration_s
     if level.arrivals_s is None:
         empty = Requests(np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
-        setup = RunSetup(cost, truths, empty, 1, "least_loaded", max_k, horizon, drain_s, bin_s, seed)
+        setup = RunSetup(cost, truths, empty, 1, "least_loaded", max_k, horizon, drain_s, bin_s, seed,
+                         host_gap=host_gap)
         out, req = simulate_closed_loop(setup, policy, level.clients,
                                         ThinkTimeSpec(dist=level.think, mean_s=level.think_s), source)
     else:
@@ -377,7 +397,8 @@ def simulate_level(level: SimLevel, *, policy, cost, truths, classes, prompt_set
         t = t[t < horizon]
         cls, p, o = source.take(t.size)
         req = Requests(t, p, o, cls)
-        out = simulate(RunSetup(cost, truths, req, 1, "least_loaded", max_k, horizon, drain_s, bin_s, seed), policy)
+        out = simulate(RunSetup(cost, truths, req, 1, "least_loaded", max_k, horizon, drain_s, bin_s, seed,
+                                host_gap=host_gap), policy)
     window = (warmup_s, horizon)
     return (Run(rows_from_sim(req, out.recorder, names), window, *step_time(out.recorder.step_end,
                                                                              out.recorder.step_wall, window)),

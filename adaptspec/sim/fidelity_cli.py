@@ -53,15 +53,26 @@ def fidelity(
     grpc: bool = typer.Option(False, "--grpc", help="also run the levels through Ray Serve and gRPC (starts the "
                                                     "service of --config)"),
     torch_threads: Optional[int] = typer.Option(None, help="torch threads (default: the replica's)"),
+    host_gap: bool = typer.Option(True, "--host-gap/--no-host-gap",
+                                  help="simulate the host's time between engine steps as measured live"),
+    resimulate: Optional[Path] = typer.Option(None, help="a folder a fidelity run wrote: simulate its live runs "
+                                                         "again (a changed simulator) and report into --out; "
+                                                         "runs nothing live (level and policy options are "
+                                                         "taken from that run)"),
 ) -> None:
     """Run one workload live and simulated; per class and level, the relative error of
     throughput, TTFT and TPOT p50/p99, and the arms chosen (a table, JSON and a plot)."""
-    from rich.table import Table
-
     from adaptspec.serve.cli import load_levels
-    from adaptspec.sim.fidelity import STEP_HEAD, TABLE_HEAD, plot, step_rows, table_rows
-    from adaptspec.sim.fidelity_run import FidelityOptions, run_fidelity
+    from adaptspec.sim.fidelity_run import FidelityOptions, resimulate as resim, run_fidelity
 
+    console = _console()
+    if resimulate is not None:
+        if Path(resimulate).resolve() == Path(out).resolve():
+            raise ValueError("--out: give another folder than --resimulate (its report stays as it was measured)")
+        cells, goal_list, meta = resim(resimulate, out, console, config=config, host_gap=host_gap,
+                                       sim_seeds=sim_seeds if sim_seeds > 1 else None)
+        _report(console, cells, goal_list, meta, out)
+        return
     levels = load_levels(concurrency, "", think_time=think_time, think=think, seed=arrival_seed) if concurrency else []
     if rate:
         levels += load_levels("1", rate, arrival, burstiness, seed=arrival_seed)
@@ -75,13 +86,20 @@ def fidelity(
                            calibrate_repeats=calibrate_repeats,
                            calibrate_batch=_ints(calibrate_batch, "--calibrate-batch"),
                            calibrate_ks=_ints(calibrate_ks, "--calibrate-ks"), sim_seeds=sim_seeds, grpc=grpc,
-                           torch_threads=torch_threads, out=out)
+                           torch_threads=torch_threads, host_gap=host_gap, out=out)
     if not opts.classes:
         raise ValueError("--classes: at least one class")
     if profile and not Path(profile).is_file():
         raise ValueError(f"--profile: {profile} is not a file")
-    console = _console()
     cells, goal_list, meta = run_fidelity(opts, console)
+    _report(console, cells, goal_list, meta, out)
+
+
+def _report(console, cells, goal_list, meta, out: Path) -> None:
+    from rich.table import Table
+
+    from adaptspec.sim.fidelity import STEP_HEAD, TABLE_HEAD, plot, step_rows, table_rows
+
     t = Table(title=f"fidelity: live / simulated (relative error of simulated), {meta['date']}")
     for h in TABLE_HEAD:
         t.add_column(h)
@@ -100,6 +118,9 @@ def fidelity(
             console.print(f"    {m}")
         if len(g.misses) > 8:
             console.print(f"    ... and {len(g.misses) - 8} more")
+    gap = meta.get("host_gap") or {}
+    console.print(f"host time between steps, simulated: {1e3 * gap.get('a_s', 0.0):.2f} ms + "
+                  f"{1e3 * gap.get('per_request_s', 0.0):.3f} ms per request in the step")
     for n in meta["notes"]:
         console.print(f"note: {n}")
     png = plot(cells, out / "fidelity.png", title=f"simulated vs live, {meta['machine']}, {meta['date'][:10]}")

@@ -53,6 +53,7 @@ class FidelityOptions:
     calibrate_batch: tuple[int, ...] = (1, 2, 4, 8, 16)
     calibrate_ks: tuple[int, ...] = (2, 4, 8)
     sim_seeds: int = 1
+    host_gap: bool = True  # simulate the host's time between engine steps as measured live
     drain_s: float = 120.0
     grpc: bool = False
     torch_threads: int | None = None
@@ -128,21 +129,44 @@ def calibrate_for(cfg, out: Path, opts: FidelityOptions) -> Path:
     batch = tuple(b for b in opts.calibrate_batch if b <= cfg.engine.max_num_seqs) or (1,)
     ks = tuple(k for k in opts.calibrate_ks if k <= cfg.controller.max_k) or (1,)
     return calibrate(out, target=cfg.models.target, draft=draft, dtype=cfg.models.dtype, device=cfg.models.device,
-                     repeats=opts.calibrate_repeats, batch_sizes=batch, ks=ks, prefill=True)
+                     repeats=opts.calibrate_repeats, batch_sizes=batch, ks=ks, prefill=True,
+                     # the table alone: within a token count the measured contexts barely vary, so a
+                     # context term is fitted to noise and can leave the table flat (``fit_profile``)
+                     context_term=False)
 
 
 class StepLog:
-    """An engine step listener: (perf_counter at the step's end, its wall seconds) per step."""
+    """An engine step listener (the first, so its clock reads the step's end): per step,
+    (perf_counter at the step's end, its wall seconds); and the host's gaps between steps
+    while the engine had work left, as (requests in the step before, seconds from its end to
+    the next step's start): the serving loop, the other listeners, the controller's reports
+    and tokenizing new requests, none of it inside the engine's timers."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine=None) -> None:
+        self.engine = engine
         self.steps: list[tuple[float, float]] = []
+        self._rows: list[int] = []
+        self._busy: list[bool] = []
+        self.gaps: list[tuple[int, float]] = []
 
     def __call__(self, st) -> None:
         self.steps.append((time.perf_counter(), st.wall_s))
+        self._rows.append(int(st.batch_size) + int(st.num_prefill))
+        self._busy.append(True if self.engine is None else bool(self.engine.has_unfinished()))
 
     def inside(self, w0: float, w1: float) -> tuple[int, float, float]:
         """``step_time`` of the logged steps over [w0, w1]."""
         return step_time([t for t, _ in self.steps], [w for _, w in self.steps], (w0, w1))
+
+    def clear(self) -> None:
+        """End of a run: keep its gaps, forget its steps (the next run's first step follows a
+        policy switch, not a step)."""
+        for i in range(1, len(self.steps)):
+            if self._busy[i - 1]:
+                self.gaps.append((self._rows[i - 1], self.steps[i][0] - self.steps[i][1] - self.steps[i - 1][0]))
+        self.steps.clear()
+        self._rows.clear()
+        self._busy.clear()
 
 
 def _live_levels(opts: FidelityOptions, spec, console, *, current, switch, run_one,
@@ -160,7 +184,7 @@ def _live_levels(opts: FidelityOptions, spec, console, *, current, switch, run_o
         runs.setdefault((current(), as_arrivals(n).label), []).append(
             Run(rows_from_records(got), (window.start_s, window.end_s), *steps))
         if step_log is not None:
-            step_log.steps.clear()
+            step_log.clear()
         return got, window
 
     summaries = _interleaved_levels(opts.levels, opts.policies, opts.rounds, opts.fresh, spec, console,
@@ -194,7 +218,8 @@ def _sim_level(level) -> SimLevel:
     return SimLevel(clients=arr.clients, think_s=arr.think_s, think=arr.think)
 
 
-def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_set, console=None) -> dict:
+def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_set, console=None,
+                 host_gap: tuple[float, float] = (0.0, 0.0)) -> dict:
     """{(policy, level label): ([Run], {class: {arm: steps}})}: every (level, policy) as the
     live run had them, ``rounds`` runs each (an adaptive policy carries what it learned from
     run to run unless ``fresh``, as the live controller does), for each of ``sim_seeds``
@@ -226,7 +251,7 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
                     run, steps = simulate_level(lv, policy=policies[key], cost=cost, truths=truths,
                                                 classes=class_specs, prompt_set=prompt_set, warmup_s=opts.warmup_s,
                                                 duration_s=opts.duration_s, drain_s=opts.drain_s,
-                                                max_k=cfg.controller.max_k, seed=seed * 1000 + r)
+                                                max_k=cfg.controller.max_k, seed=seed * 1000 + r, host_gap=host_gap)
                     runs.append(run)
                     for cls, per in steps.items():
                         for a, n in per.items():
@@ -337,13 +362,11 @@ def machine() -> str:
 def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict]:
     import csv
 
-    import yaml
-
     from adaptspec.serve.config import load_config
     from adaptspec.serve.inprocess import InProcessService
     from adaptspec.serve.loadtest import LoadSpec
     from adaptspec.sim.acceptance_replay import AcceptanceRecorder
-    from adaptspec.sim.scenario import ClassSpec
+    from adaptspec.sim.fidelity import fit_host_gap
 
     cfg = load_config(opts.config)
     out = Path(opts.out)
@@ -359,8 +382,9 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     spec = LoadSpec(list(opts.classes), opts.max_tokens)
     with console.status("loading the models"):
         svc = InProcessService(cfg, torch_threads=opts.torch_threads)
-    recorder, step_log = AcceptanceRecorder(), StepLog()
-    svc.engine.step_listeners += [recorder.observe_step, step_log]
+    recorder, step_log = AcceptanceRecorder(), StepLog(svc.engine)
+    svc.engine.step_listeners.insert(0, step_log)
+    svc.engine.step_listeners.append(recorder.observe_step)
     live = {"in-process": _live_levels(opts, spec, console, current=svc.policy,
                                        switch=lambda p, reset: svc.update_policy(p, reset=reset),
                                        run_one=lambda n: svc.run_level(n, opts.duration_s, spec,
@@ -375,18 +399,13 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
         w.writerow(["request_class", "num_prefill_tokens", "num_decode_tokens", "num_cached_tokens"])
         w.writerows(ps_rows)
     cost = sim_profile(profile_path, cfg, svc.engine)
+    gap = fit_host_gap(step_log.gaps)
     # the live controller's own step-time predictions against the engine's (a model-based policy)
     cost_check = {p: c.table() for p, c in svc.cost_checks.items() if c.rows}
     if opts.grpc:
         del svc  # the service's replica gets the CPU to itself
         live["grpc"] = _grpc_levels(cfg, opts, spec, console)
-    truths, notes = truths_from_recording(recording, list(opts.classes), cfg.drafters)
-    class_specs = [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes]
-    sim = simulate_all(cfg, opts, cost, truths, class_specs, prompt_set)
-    cells = []
-    for path, (runs, _) in live.items():
-        cells += compare(path, runs, sim, list(opts.classes))
-    goal_list = goals(cells)
+    save_live(out / "live_runs.json", {p: runs for p, (runs, _) in live.items()})
     meta = {
         "date": started.isoformat(timespec="seconds"), "machine": machine(), "code": code_version(),
         "config": opts.config or "(embedded default)",
@@ -395,14 +414,127 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
         "profile": str(profile_path), "levels": [_level_json(x) for x in opts.levels], "policies": opts.policies,
         "classes": list(opts.classes), "duration_s": opts.duration_s, "warmup_s": opts.warmup_s,
         "rounds": opts.rounds, "max_tokens": opts.max_tokens, "sim_seeds": opts.sim_seeds,
-        "acceptance_steps": recorder.steps, "notes": notes, "controller_cost_check": cost_check,
+        "acceptance_steps": recorder.steps, "controller_cost_check": cost_check,
+        "sim_limits": {k: getattr(cost.profile, k) for k in ("max_num_seqs", "kv_capacity_tokens",
+                                                             "max_batched_tokens")},
+        "host_gap_measured": {"a_s": gap[0], "per_request_s": gap[1], "gaps": len(step_log.gaps),
+                              "mean_s": float(np.mean([g for _, g in step_log.gaps])) if step_log.gaps else 0.0},
         "live_summaries": {p: [asdict(s) for s in summ] for p, (_, summ) in live.items()},
     }
+    runs = {p: r for p, (r, _) in live.items()}
+    return simulate_and_report(cfg, opts, out, runs, recording, prompt_set, cost, gap, meta, console)
+
+
+def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recording, prompt_set, cost,
+                        gap: tuple[float, float], meta: dict, console) -> tuple[list[Cell], list, dict]:
+    """The simulated side of every (level, policy) and the comparison: ``fidelity.json``,
+    ``scenario.yaml``; ``live``: {path: {(policy, level label): [Run]}}."""
+    import yaml
+
+    from adaptspec.sim.scenario import ClassSpec
+
+    truths, notes = truths_from_recording(recording, list(opts.classes), cfg.drafters)
+    class_specs = [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes]
+    used_gap = gap if opts.host_gap else (0.0, 0.0)
+    sim = simulate_all(cfg, opts, cost, truths, class_specs, prompt_set, host_gap=used_gap)
+    cells = []
+    for path, runs in live.items():
+        cells += compare(path, runs, sim, list(opts.classes))
+    goal_list = goals(cells)
+    meta = {**meta, "notes": notes, "host_gap": {"a_s": used_gap[0], "per_request_s": used_gap[1]}}
     (out / "fidelity.json").write_text(to_json(cells, goal_list, meta))
-    (out / "scenario.yaml").write_text(yaml.safe_dump(scenario_yaml(opts, cfg, str(Path(profile_path).resolve()),
+    (out / "scenario.yaml").write_text(yaml.safe_dump(scenario_yaml(opts, cfg, str(Path(meta["profile"]).resolve()),
                                                                     recording, "acceptance.json", "prompt_set.csv"),
                                                       sort_keys=False))
     return cells, goal_list, meta
+
+
+# ---- the live runs on file: simulate them again (a changed model) without running them again ---
+def save_live(path: Path, live: dict) -> None:
+    """{path: {(policy, level): [Run]}} as JSON. A row keeps what the comparison reads; its
+    token chunks become one chunk of the tokens that arrived inside its run's window (all
+    that ``tokens_in_window`` needs for that window)."""
+    from adaptspec.sim.fidelity import tokens_in_window
+
+    data = {}
+    for p, runs in live.items():
+        data[p] = []
+        for (policy, level), rs in runs.items():
+            for run in rs:
+                w0, w1 = run.window
+                rows = [[r.request_class, r.start_s, r.first_token_s, r.end_s, r.tokens, r.cut, r.error,
+                         tokens_in_window(r, w0, w1), r.prompt_index, r.arms, r.cached_tokens] for r in run.rows]
+                data[p].append({"policy": policy, "level": level, "window": [w0, w1], "steps": run.steps,
+                                "step_wall_s": run.step_wall_s, "busy_s": run.busy_s, "rows": rows})
+
+    def clean(x):
+        return None if isinstance(x, float) and math.isnan(x) else x
+
+    for runs in data.values():
+        for run in runs:
+            run["rows"] = [[clean(v) for v in row] for row in run["rows"]]
+    path.write_text(json.dumps({"version": 1, "live": data}, separators=(",", ":")))
+
+
+def load_live(path: Path) -> dict:
+    data = json.loads(Path(path).read_text())
+    nan = math.nan
+    out: dict = {}
+    for p, runs in data["live"].items():
+        per = out.setdefault(p, {})
+        for run in runs:
+            w0, w1 = run["window"]
+            rows = [Row(c, start, nan if first is None else first, nan if end is None else end, tokens, cut, error,
+                        [(w0, in_window)], idx, dict(arms), cached)
+                    for c, start, first, end, tokens, cut, error, in_window, idx, arms, cached in run["rows"]]
+            per.setdefault((run["policy"], run["level"]), []).append(
+                Run(rows, (w0, w1), run["steps"], run["step_wall_s"], run["busy_s"]))
+    return out
+
+
+def resimulate(src: Path, out: Path, console, *, config: str | None = None, host_gap: bool = True,
+               sim_seeds: int | None = None) -> tuple[list[Cell], list, dict]:
+    """The simulated side again, against the live runs a fidelity run left in ``src``
+    (``live_runs.json``, ``acceptance.json``, ``prompt_set.csv``, its profile): for a changed
+    simulator, without the live runs (and the quiet machine) they took."""
+    from adaptspec.control.costs import ProfileCostModel
+    from adaptspec.serve.config import load_config
+    from adaptspec.serve.loadtest import Arrivals
+    from adaptspec.sim.acceptance_replay import AcceptanceFile
+    from adaptspec.sim.closed_loop import read_prompt_set
+    from adaptspec.sim.scenario import ClassSpec, PromptSetSpec
+
+    src = Path(src)
+    need = [src / n for n in ("fidelity.json", "live_runs.json", "acceptance.json", "prompt_set.csv")]
+    missing = [str(p) for p in need if not p.is_file()]
+    if missing:
+        raise ValueError(f"--resimulate: {src} lacks {missing} (a folder an `adaptspec fidelity` run wrote)")
+    meta = json.loads((src / "fidelity.json").read_text())["meta"]
+    cfg = load_config(config if config is not None else (None if meta["config"] == "(embedded default)"
+                                                         else meta["config"]))
+    levels = []
+    for lv in meta["levels"]:
+        a = Arrivals(**{k: v for k, v in lv.items() if k != "label"})
+        levels.append(a if a.open or a.think_s else a.clients)
+    opts = FidelityOptions(config=config, levels=levels, policies=list(meta["policies"]),
+                           classes=list(meta["classes"]), max_tokens=meta["max_tokens"], duration_s=meta["duration_s"],
+                           warmup_s=meta["warmup_s"], rounds=meta["rounds"], profile=meta["profile"],
+                           sim_seeds=sim_seeds or meta["sim_seeds"], host_gap=host_gap, out=Path(out))
+    profile = Path(meta["profile"])
+    if not profile.is_file():
+        profile = src / "profile.json"
+    model = ProfileCostModel.load(profile)
+    cost = ProfileCostModel(model.profile.model_copy(update=meta["sim_limits"]))
+    recording = AcceptanceFile.load(src / "acceptance.json")
+    prompt_set = read_prompt_set(PromptSetSpec(path=str(src / "prompt_set.csv")), src,
+                                 [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes])
+    gap_meta = meta.get("host_gap_measured") or {}
+    gap = (float(gap_meta.get("a_s", 0.0)), float(gap_meta.get("per_request_s", 0.0)))
+    Path(out).mkdir(parents=True, exist_ok=True)
+    live = load_live(src / "live_runs.json")
+    meta = {**meta, "resimulated": {"from": str(src), "date": _dt.datetime.now().astimezone().isoformat(
+        timespec="seconds"), "code": code_version()}}
+    return simulate_and_report(cfg, opts, Path(out), live, recording, prompt_set, cost, gap, meta, console)
 
 
 def _level_json(level) -> dict:

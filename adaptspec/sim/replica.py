@@ -4,7 +4,9 @@ Each step: admit queued requests while a slot and KV room are free; ask the poli
 arm per request class among decoding requests (one decision per class per step, the
 snapshot the engine would use); sample accepted tokens from the class's acceptance model
 (with draft confidences where the scenario gives them: an arm's ``min_confidence`` stops a
-request's draft at its first token below it); fit the step into its token budget (every
+request's draft at its first token below it; a recording from the live engine gives the
+candidates proposed as well, fewer than ``k`` when n-gram lookup runs out of match); ask
+for no more candidates than a request has tokens left, as the engine does; fit the step into its token budget (every
 token counts: decode, verification and prompt chunks, decode and verification first, as
 vLLM schedules running requests first); price the step with the cost model; advance every
 request; report a ``StepOutcome``.
@@ -21,6 +23,7 @@ from adaptspec.control import Arm, GroupOutcome, Load, Policy, StepOutcome
 from adaptspec.control.admission import SloAdmission
 from adaptspec.control.types import CONF_BINS, ConfidenceCounts, conf_bin
 from adaptspec.sim.acceptance import AcceptanceModel, ConfidenceAcceptance
+from adaptspec.sim.acceptance_replay import RecordedAcceptance
 from adaptspec.control.costs import ProfileCostModel
 from adaptspec.sim.workload import Requests
 
@@ -88,12 +91,16 @@ class Recorder:
 class Replica:
     def __init__(self, cost: ProfileCostModel, policy: Policy, classes: list[ClassTruth], requests: Requests,
                  recorder: Recorder, rng: np.random.Generator, max_k: int, *, drafters: tuple[str, ...] = ("ngram", "draft"),
-                 admission: SloAdmission | None = None) -> None:
+                 admission: SloAdmission | None = None, host_gap: tuple[float, float] = (0.0, 0.0)) -> None:
         prof = cost.profile
         self.cost, self.policy, self.classes, self.req, self.rec, self.rng = cost, policy, classes, requests, recorder, rng
         self.max_k = max_k
         self.drafters = tuple(drafters)
         self.admission = admission
+        # seconds the host spends between two engine steps while work is left (the serving
+        # loop's bookkeeping, the controller's reports, tokenizing new requests): a + b per
+        # request in the step; not part of the step, so not reported to the policy
+        self.host_gap = (float(host_gap[0]), float(host_gap[1]))
         self.max_tokens = prof.max_batched_tokens
         self.kv_capacity = prof.kv_capacity_tokens
         S = prof.max_num_seqs
@@ -226,6 +233,12 @@ class Replica:
                     proposed[lo:hi] = m
                     # the forward that produced a token below the threshold ran too
                     forwards[lo:hi] = np.minimum(m + (m < arm.k), arm.k) if arm.min_confidence else arm.k
+                elif isinstance(model, RecordedAcceptance):
+                    # what the live drafter proposed: n-gram lookup often finds fewer than k
+                    # (or none), and the verification pass carries only what was proposed
+                    proposed[lo:hi], accepted[lo:hi] = model.sample_proposed(arm.k, n, self.rng)
+                    forwards[lo:hi] = arm.k
+                    full = False
                 else:
                     accepted[lo:hi] = model.sample(arm.k, n, self.rng)
                     proposed[lo:hi] = arm.k
@@ -251,6 +264,15 @@ class Replica:
                                       fixed.draft_s + fixed.other_s)
             proposed[rows] = np.minimum(proposed[rows], pick)
             accepted[rows] = np.minimum(accepted[rows], proposed[rows])
+        # the engine asks for no more candidates than the request has tokens left after the
+        # one this step samples anyway (``Engine._k_for``): a short answer's last steps verify less
+        cap = np.maximum(self.remaining[dec] - 1, 0)
+        over = proposed > cap
+        if over.any():
+            proposed = np.minimum(proposed, cap)
+            accepted = np.minimum(accepted, proposed)
+            forwards = np.minimum(forwards, cap)
+            groups = [(c, arm, lo, hi, conf, full and not over[lo:hi].any()) for c, arm, lo, hi, conf, full in groups]
         # the step's token budget: decode and verification first, in a rotating order
         decode_tokens = n_dec + int(proposed.sum())
         scheduled = None  # None: every decoding request runs in full
@@ -343,7 +365,8 @@ class Replica:
             self.admission.observe(t.wall_s, prefill_tokens, bool(self.queue) or bool(self.prefilling))
         self.policy.observe(StepOutcome(n_active, prefill_tokens, verify_tokens, context, t.draft_s, t.verify_s,
                                         t.other_s, t.wall_s, outcome_groups, len(self.queue), 0.0, len(chunks)))
-        self.busy_until = end
+        a, b = self.host_gap
+        self.busy_until = end + a + b * (n_dec + len(chunks)) if (a or b) and (self.n_active or self.queue) else end
 
     def _backlog_chunk(self) -> int:
         return self.prefill_tokens_left

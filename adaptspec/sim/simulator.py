@@ -29,6 +29,7 @@ class RunSetup:
     seed: int = 0
     drafters: tuple[str, ...] = ("ngram", "draft")
     admission: SloAdmission | None = None  # one per replica (copied)
+    host_gap: tuple[float, float] = (0.0, 0.0)  # host seconds between steps: a + b per request (``Replica``)
 
 
 @dataclass(slots=True)
@@ -52,7 +53,8 @@ class Simulation:
         self.rec = recorder
         self.rng = np.random.default_rng(setup.seed)
         self.replicas = [Replica(setup.cost, policy, setup.classes, req, recorder, np.random.default_rng([setup.seed, i]),
-                                 setup.max_k, drafters=setup.drafters, admission=copy.deepcopy(setup.admission))
+                                 setup.max_k, drafters=setup.drafters, admission=copy.deepcopy(setup.admission),
+                                 host_gap=setup.host_gap)
                          for i in range(setup.replicas)]
         self.shifts = sorted({c.shift_at_s for c in setup.classes if c.shift_at_s is not None})
         self.i = 0  # next arrival

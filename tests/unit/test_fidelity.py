@@ -84,6 +84,73 @@ def test_replay_at_a_recorded_k_resamples_its_histogram():
     assert np.all(j <= m) and abs(j.mean() - want) < 4 * j.std() / math.sqrt(j.size)
 
 
+def _replica_steps(truth, output_tokens: int, n_req: int = 8, k: int = 4, seed: int = 0):
+    """A replica running ``n_req`` requests (4-token prompts) with the static arm ngram:k to the
+    end; every ``StepOutcome`` it reported."""
+    from adaptspec.control import Arm, PolicyConfig, StaticPolicy
+    from adaptspec.control.costs import ProfileCostModel, ProfileFile
+    from adaptspec.sim.replica import ClassTruth, Recorder, Replica
+    from adaptspec.sim.workload import Requests
+
+    seen = []
+
+    class Capture(StaticPolicy):
+        def _observe(self, outcome):
+            seen.append(outcome)
+
+    cost = ProfileCostModel(ProfileFile(name="t", verify_tokens=[1.0, 1001.0], verify_s=[0.01, 0.02],
+                                        max_num_seqs=64, max_batched_tokens=4096))
+    req = Requests(np.zeros(n_req), np.full(n_req, 4), np.full(n_req, output_tokens), np.zeros(n_req, dtype=np.int64))
+    policy = Capture(Arm("ngram", k), PolicyConfig(("ngram",), k))
+    rec = Recorder(n_req, 1, policy.table.arms, 1.0, 10_000)
+    r = Replica(cost, policy, [ClassTruth("c", {"ngram": truth})], req, rec, np.random.default_rng(seed), k,
+                drafters=("ngram",))
+    for i in range(n_req):
+        r.enqueue(i, 0.0)
+    now = 0.0
+    while r.busy_until < np.inf:
+        r.step(now)
+        now = r.busy_until
+    assert np.all(np.isfinite(rec.finish_s))
+    return seen
+
+
+def test_replica_verifies_what_the_recorded_drafter_proposed_with_a_control():
+    """n-gram-like: a candidate is there with chance 0.3 at each position, so the live drafter
+    proposed ~0.43 of k = 4 per step. The replica verifies (and reports) the proposed
+    candidates: the step's verify tokens are the decode rows plus what was proposed, and the
+    drafted mean matches the recording's. Control: a drafter that always proposed k."""
+    sparse = _record(0.3, 0.9, k=4, n=5000, seed=4)
+    h = sparse.joint[4]
+    want = float(np.dot(np.arange(5), h.sum(axis=1)) / h.sum())
+    steps = _replica_steps(sparse, output_tokens=300)
+    decode = [o for o in steps if o.num_prefill == 0]
+    drafted = np.array([g.drafted for o in decode for g in o.groups])
+    n = np.array([g.num_requests for o in decode for g in o.groups])
+    for o in decode:
+        assert o.verify_tokens == sum(g.num_requests + g.drafted for g in o.groups)
+    per_req = drafted.sum() / n.sum()
+    # ~25000 request-steps, m has sd < 1: 4 standard errors is under 0.03
+    assert abs(per_req - want) < 0.03, (per_req, want)
+    assert any(g.drafted_accepted is not None for o in decode for g in o.groups)
+    full = _replica_steps(_record(1.0, 0.9, k=4, n=5000, seed=4), output_tokens=300)
+    full_dec = [o for o in full if o.num_prefill == 0]
+    per_full = sum(g.drafted for o in full_dec for g in o.groups) / sum(g.num_requests for o in full_dec for g in o.groups)
+    assert per_full > 3.8 and abs(per_full - want) > 3.0  # all k but the answer's last steps
+
+
+def test_replica_asks_no_more_candidates_than_tokens_left_with_a_control():
+    """A 3-token answer: the prefill samples the first token, so the first decode step has 2
+    left and verifies 1 candidate per request (the engine's ``_k_for``), not k = 4. Control:
+    a 50-token answer verifies all 4."""
+    from adaptspec.sim.acceptance import BernoulliAcceptance
+
+    short = [o for o in _replica_steps(BernoulliAcceptance(0.0), output_tokens=3) if o.num_prefill == 0]
+    assert short[0].verify_tokens == 8 * 2 and short[0].groups[0].drafted == 8
+    long = [o for o in _replica_steps(BernoulliAcceptance(0.0), output_tokens=50) if o.num_prefill == 0]
+    assert long[0].verify_tokens == 8 * 5 and long[0].groups[0].drafted == 32
+
+
 def test_recorded_acceptance_in_a_scenario_and_its_errors(tmp_path):
     from adaptspec.sim.runner import class_truths
     from adaptspec.sim.scenario import parse_scenario
@@ -300,9 +367,39 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
         assert (out / name).stat().st_size > 0
     recording = AcceptanceFile.load(out / "acceptance.json")
     assert set(recording.classes) == {"chat", "code_edit", "extraction"}
+    gap = data["meta"]["host_gap_measured"]
+    assert gap["gaps"] > 0 and gap["mean_s"] > 0 and data["meta"]["host_gap"]["a_s"] == gap["a_s"]
     # the scenario it wrote runs with `adaptspec simulate`
     res = CliRunner().invoke(app, ["simulate", str(out / "scenario.yaml")])
     assert res.exit_code == 0, res.output
+    # the live runs simulated again from the folder (nothing live): the same live side, the
+    # simulated side without the host's time between steps this time
+    again = tmp_path / "again"
+    res = CliRunner().invoke(app, ["fidelity", "--config", str(cfg), "--resimulate", str(out), "--out", str(again),
+                                   "--no-host-gap"])
+    assert res.exit_code == 0, res.output
+    redo = json.loads((again / "fidelity.json").read_text())
+    assert redo["meta"]["resimulated"]["from"] == str(out) and redo["meta"]["host_gap"]["a_s"] == 0.0
+    key = lambda c: (c["policy"], c["level"], c["request_class"])  # noqa: E731
+    before = {key(c): c["live"] for c in cells}
+    for c in redo["cells"]:
+        assert c["live"] == before[key(c)]
+    bad = CliRunner().invoke(app, ["fidelity", "--resimulate", str(tmp_path), "--out", str(tmp_path / "x")])
+    assert bad.exit_code != 0 and "--resimulate" in bad.output
+
+
+def test_host_gap_fit_and_its_fallbacks():
+    from adaptspec.sim.fidelity import fit_host_gap
+
+    rng = np.random.default_rng(0)
+    rows = rng.integers(1, 17, 400)
+    gaps = 0.001 + 0.0002 * rows + rng.normal(0, 1e-5, rows.size)
+    a, b = fit_host_gap(list(zip(rows, gaps)))
+    assert a == pytest.approx(0.001, abs=1e-5) and b == pytest.approx(0.0002, abs=2e-6)
+    # a gap that shrinks with the batch is not a model of the host: the mean gap alone
+    a, b = fit_host_gap(list(zip(rows, 0.004 - 0.0002 * rows)))
+    assert b == 0.0 and a == pytest.approx(float(np.mean(0.004 - 0.0002 * rows)))
+    assert fit_host_gap([]) == (0.0, 0.0) and fit_host_gap([(4, 0.002), (4, 0.004)]) == (pytest.approx(0.003), 0.0)
 
 
 def test_step_rows_report_the_engine_per_level():

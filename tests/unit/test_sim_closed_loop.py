@@ -53,6 +53,23 @@ def test_one_client_sends_its_next_request_when_the_last_one_finishes():
     np.testing.assert_allclose(out.recorder.first_token_s - req.arrival_s, 0.01, atol=1e-9)
 
 
+def test_host_time_between_steps_delays_the_next_step_while_work_is_left():
+    """The host's 2 ms + 1 ms per request between steps: after the prefill step (10 ms) and
+    each of the 8 decode steps that leave work, 3 ms pass before the next step; none after the
+    step that finishes the request (the client's next request starts the next step at once).
+    Control: no host time, 100 ms a request."""
+    classes = _classes()
+    truths = [ClassTruth("chat", {"ngram": BernoulliAcceptance(0.5)})]
+    empty = Requests(np.zeros(0), np.zeros(0, dtype=int), np.zeros(0, dtype=int), np.zeros(0, dtype=int))
+    for gap, want in (((0.002, 0.001), 0.1 + 9 * 0.003), ((0.0, 0.0), 0.1)):
+        setup = RunSetup(_profile(), truths, empty, max_k=4, duration_s=0.5, drain_s=60.0, bin_s=1.0, host_gap=gap)
+        source = RequestSource(classes, None, "random", np.random.default_rng([0, 1]))
+        out, req = simulate_closed_loop(setup, StaticPolicy(Arm("none", 0), PolicyConfig(("ngram",), 4)), 1,
+                                        ThinkTimeSpec(), source)
+        np.testing.assert_allclose(out.recorder.finish_s - req.arrival_s, want, atol=1e-9)
+        np.testing.assert_allclose(np.diff(req.arrival_s), want, atol=1e-9)
+
+
 def test_think_time_delays_the_next_request():
     # fixed 0.2 s pause: a cycle is 0.1 s of service + 0.2 s of thinking
     _, req = _run(1, ThinkTimeSpec(dist="fixed", mean_s=0.2), duration=1.0)

@@ -147,7 +147,9 @@ def test_a_confidence_threshold_stops_drafts_early_in_the_replica():
         n = sum(g.num_requests for g in groups)
         out[t] = (sum(g.drafted for g in groups) / n, sum(g.accepted for g in groups) / max(sum(g.drafted for g in groups), 1),
                   sum(g.confidence.rejected.sum() + g.confidence.accepted.sum() for g in groups))
-    assert out[0.0][0] == pytest.approx(8.0)  # no threshold: every request drafts all 8
+    # no threshold: every request drafts all 8 (but in an answer's last steps, which ask for no
+    # more candidates than tokens left, as the engine does)
+    assert 7.8 < out[0.0][0] <= 8.0
     assert out[0.6][0] < 3.0  # with one, drafts stop at the first unlikely token
     assert out[0.6][1] > out[0.0][1] + 0.2  # and what is verified is accepted far more often
     assert out[0.6][2] > 0  # the replica reports confidences and their fate, as the engine does
