@@ -12,13 +12,17 @@ header, same form). ``check`` compares in constant time (``hmac.compare_digest``
 tells a missing token (gRPC UNAUTHENTICATED) from a wrong one (PERMISSION_DENIED). The
 token never appears in a log line, an exception message or a ``repr``: ``Token`` hides it.
 
-The functions are generic over the token's use, so API keys can reuse them (``check``
-takes any number of accepted tokens). This module imports neither Ray nor gRPC.
+API keys (``ApiKeys``) guard the data calls: the OpenAI HTTP API and, unless
+``auth.grpc_api_keys`` is off, gRPC ``Generate``, ``GenerateStream`` and ``GetStats``. They are
+read from the variable named by ``http.api_keys_env``: the keys themselves, or the path of a
+file of them (a Kubernetes Secret volume), re-read when it changes so keys rotate without a
+restart. This module imports neither Ray nor gRPC.
 """
 from __future__ import annotations
 
 import hmac
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from enum import Enum
@@ -195,3 +199,52 @@ def refusal_message(verdict: Verdict, what: str = "this call") -> str:
         return (f"{what} is closed: the server has no admin token configured (set the variable named by "
                 f"auth.admin_token_env, or start with `adaptspec serve`, which creates one)")
     return f"{what}: the admin token is not valid"
+
+
+# ---- API keys ---------------------------------------------------------------------------------
+class KeysUnavailable(Exception):
+    """The configured key source cannot be used (a missing or malformed file): the caller refuses
+    the request (closed), it never serves it unchecked. The message names the source, never a key."""
+
+
+class ApiKeys:
+    """The accepted API keys: ``$<env_var>`` holds them comma-separated, or is the path (starting
+    with /) of a file holding them one per line or comma-separated. The file is re-read when it
+    changes (Kubernetes swaps a mounted Secret's files in place). Unset or empty: no key is needed."""
+
+    def __init__(self, env_var: str):
+        self.env_var = env_var
+        self._seen: tuple | None = None
+        self._keys: tuple[str, ...] = ()
+
+    def current(self) -> tuple[str, ...]:
+        value = os.environ.get(self.env_var, "").strip()
+        if not value.startswith("/"):
+            return split_keys(value, f"${self.env_var}")
+        try:
+            st = os.stat(value)
+        except FileNotFoundError:  # a Secret not mounted yet: closed, not open
+            raise KeysUnavailable(f"the API key file named by ${self.env_var} does not exist; see the server's "
+                                  "configuration") from None
+        seen = (value, st.st_mtime_ns, st.st_size, st.st_ino)
+        if seen != self._seen:
+            with open(value, encoding="utf-8") as f:
+                keys = split_keys(f.read(), value)
+            if not keys:
+                raise KeysUnavailable(f"the API key file named by ${self.env_var} holds no key")
+            self._keys, self._seen = keys, seen
+        return self._keys
+
+    def verdict(self, presented: str | None) -> Verdict:
+        """OK when no key is configured or ``presented`` is one of the keys; raises KeysUnavailable."""
+        keys = self.current()
+        return Verdict.OK if not keys else check(presented, keys)
+
+
+def split_keys(text: str, where: str) -> tuple[str, ...]:
+    keys = tuple(k.strip() for k in re.split(r"[,\n]", text) if k.strip())
+    for k in keys:
+        if len(k) > MAX_TOKEN_CHARS or any(c.isspace() or not c.isprintable() for c in k):
+            raise KeysUnavailable(f"an API key in {where} is malformed (whitespace, control characters or too "
+                                  "long); see the server's configuration")
+    return keys

@@ -327,7 +327,8 @@ def loadtest(
                                              "still go through gRPC)"),
     http_url: str = typer.Option("http://127.0.0.1:8000", help="the service's HTTP proxy for --protocol http "
                                                                "(the app's route /<app> is added; --start: its port)"),
-    api_key: Optional[str] = typer.Option(None, envvar="OPENAI_API_KEY", help="API key for --protocol http"),
+    api_key: Optional[str] = typer.Option(None, envvar="OPENAI_API_KEY",
+                                          help="API key, sent over HTTP and gRPC (gRPC without it: $ADAPTSPEC_API_KEY)"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write results to this JSON file"),
 ) -> None:
     """Closed-loop load on loopback gRPC (or the OpenAI-compatible HTTP API: --protocol http): TTFT,
@@ -360,7 +361,7 @@ def loadtest(
         address, app_name = start_embedded(cfg, console), cfg.app_name
         http_url = f"http://127.0.0.1:{cfg.http_port}"
     try:
-        with Client(address, app_name) as c:
+        with Client(address, app_name, api_key=api_key) as c:
             c.wait_ready(30)
             deployed = c.policy().policy
             bg = Probes(address, app_name, probes)

@@ -1,6 +1,8 @@
 """A small gRPC client for the service (the CLI, loadtest, demo and tests use it)."""
 from __future__ import annotations
 
+import os
+
 import grpc
 
 from adaptspec.proto import adaptspec_pb2 as pb
@@ -8,22 +10,27 @@ from adaptspec.proto import adaptspec_pb2_grpc as pb_grpc
 from adaptspec.proto import health_pb2, health_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:9000"
+API_KEY_ENV = "ADAPTSPEC_API_KEY"  # the client's key (the server's keys: http.api_keys_env)
 
 
 class Client:
     """Adds the ``application`` metadata the Serve proxy routes on."""
 
     def __init__(self, address: str = DEFAULT_ADDRESS, app_name: str = "adaptspec", *, token: str | None = None,
-                 token_file: str | None = None):
+                 token_file: str | None = None, api_key: str | None = None):
         """``token``: the admin token for GetPolicy / UpdatePolicy; default: ``token_file`` if
         given, else $ADAPTSPEC_ADMIN_TOKEN, else ``$ADAPTSPEC_HOME/admin-token`` (read at the
-        first admin call, and sent with admin calls only)."""
+        first admin call, and sent with admin calls only). ``api_key``: sent with Generate,
+        GenerateStream and GetStats (a server with API keys configured asks for one); default
+        $ADAPTSPEC_API_KEY, none when unset."""
         self.address, self.app_name = address, app_name
         self.channel = grpc.insecure_channel(address)
         self.stub = pb_grpc.AdaptSpecStub(self.channel)
         self.health_stub = health_pb2_grpc.HealthStub(self.channel)
         self.metadata = (("application", app_name),)
         self._token, self._token_file = token, token_file
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV, "").strip()
+        self.data_metadata = self.metadata + ((("authorization", f"Bearer {key}"),) if key else ())
 
     @property
     def admin_metadata(self) -> tuple:
@@ -34,14 +41,14 @@ class Client:
         return self.metadata + ((auth.authorization_metadata(self._token),) if self._token else ())
 
     def generate(self, prompt: str = "", *, timeout: float | None = None, **fields) -> pb.GenerateResponse:
-        return self.stub.Generate(request(prompt, **fields), metadata=self.metadata, timeout=timeout)
+        return self.stub.Generate(request(prompt, **fields), metadata=self.data_metadata, timeout=timeout)
 
     def stream(self, prompt: str = "", *, timeout: float | None = None, **fields):
         """An iterator of GenerateChunk; ``.cancel()`` on it cancels the call."""
-        return self.stub.GenerateStream(request(prompt, **fields), metadata=self.metadata, timeout=timeout)
+        return self.stub.GenerateStream(request(prompt, **fields), metadata=self.data_metadata, timeout=timeout)
 
     def stats(self, timeout: float | None = 10) -> pb.GetStatsResponse:
-        return self.stub.GetStats(pb.GetStatsRequest(), metadata=self.metadata, timeout=timeout)
+        return self.stub.GetStats(pb.GetStatsRequest(), metadata=self.data_metadata, timeout=timeout)
 
     def policy(self, timeout: float | None = 10) -> pb.PolicyState:
         return self.stub.GetPolicy(pb.GetPolicyRequest(), metadata=self.admin_metadata, timeout=timeout)

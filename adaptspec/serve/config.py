@@ -216,6 +216,10 @@ class AuthConfig(_Strict):
         description="environment variable holding the admin token that UpdatePolicy and GetPolicy need (metadata "
                     "`authorization: Bearer <token>`); unset: the token in $ADAPTSPEC_HOME/admin-token, which "
                     "`adaptspec serve` creates (mode 0600); neither: admin calls are refused")
+    grpc_api_keys: bool = Field(
+        True, description="gRPC Generate, GenerateStream and GetStats need one of the HTTP API's keys "
+                          "(`http.api_keys_env`; metadata `authorization: Bearer <key>`) once keys are configured; "
+                          "false: only the HTTP API asks for a key (keep gRPC inside a closed network)")
 
 
 class HttpApiOptions(_Strict):

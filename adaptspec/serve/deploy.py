@@ -41,6 +41,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Ray's ports (KubeRay's defaults) and ours
 GCS_PORT, DASHBOARD_PORT, CLIENT_PORT, METRICS_PORT = 6379, 8265, 10001, 8080
 ADMIN_TOKEN_KEY = "token"
+API_KEYS_KEY = "keys"  # the key in the API keys Secret, and the file name it is mounted as
+API_KEYS_DIR = "/etc/adaptspec/api-keys"
 
 
 class _Strict(BaseModel):
@@ -126,6 +128,11 @@ class KubeProfile(_Strict):
     sizing: Sizing
     models: ModelVolume | None = Field(None, description="a volume with the models; null: baked into the image")
     admin_token_secret: str = Field("adaptspec-admin", description="Secret whose key `token` is the admin token")
+    api_keys_secret: str | None = Field(
+        "adaptspec-api-keys", description="Secret whose key `keys` holds the OpenAI HTTP API's keys, one per line, "
+                                          "mounted as a file (Kubernetes refreshes it, the service re-reads it, so "
+                                          "keys rotate without a restart); null: the HTTP API takes no key (only "
+                                          "for a cluster that is closed by other means)")
     ray_token_auth: bool = Field(True, description="Ray's token authentication (KubeRay authOptions, v1.5.1+)")
     operator_namespace: str = Field("kuberay-system", description="namespace of the KubeRay operator (it calls "
                                                                   "the head's dashboard port)")
@@ -220,6 +227,9 @@ def _ray_env(p: Profile) -> list[dict]:
     env = [{"name": k, "value": v} for k, v in SERVE_LATENCY_ENV.items()]  # every Ray process reads them
     env.append({"name": p.service.auth.admin_token_env, "valueFrom": {
         "secretKeyRef": {"name": p.kubernetes.admin_token_secret, "key": ADMIN_TOKEN_KEY}}})
+    if _api_keys_mounted(p):
+        # a path, not the keys: the service reads the file and re-reads it when the Secret changes
+        env.append({"name": p.service.http.api_keys_env, "value": f"{API_KEYS_DIR}/{API_KEYS_KEY}"})
     if p.kubernetes.models is not None:
         env.append({"name": "ADAPTSPEC_HOME", "value": "/models"})
         env.append({"name": "HF_HUB_OFFLINE", "value": "1"})  # models come from the volume, never at request time
@@ -231,12 +241,21 @@ def _volumes(p: Profile, shm_gib: float) -> tuple[list[dict], list[dict]]:
     if shm_gib:
         vols.append({"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gib:g}Gi"}})
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    if _api_keys_mounted(p):
+        vols.append({"name": "api-keys", "secret": {"secretName": p.kubernetes.api_keys_secret,
+                                                    "items": [{"key": API_KEYS_KEY, "path": API_KEYS_KEY}],
+                                                    "defaultMode": 0o440}})
+        mounts.append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
     m = p.kubernetes.models
     if m is not None:
         vols.append({"name": "models", "persistentVolumeClaim": {"claimName": m.claim}})
         mounts.append({"name": "models", "mountPath": "/models", "readOnly": True})
         mounts.append({"name": "models", "mountPath": "/state", "subPath": m.state_subpath})
     return vols, mounts
+
+
+def _api_keys_mounted(p: Profile) -> bool:
+    return p.service.http.enabled and p.kubernetes.api_keys_secret is not None
 
 
 def _pod(p: Profile, container: dict, *, shm_gib: float, node_selector=None, tolerations=None) -> dict:

@@ -40,6 +40,9 @@ class Ingress:
     """The ``adaptspec.v1.AdaptSpec`` and ``grpc.health.v1.Health`` servicer methods."""
 
     async def Generate(self, request: pb.GenerateRequest, grpc_context) -> pb.GenerateResponse:
+        if (refusal := self._key_refusal(grpc_context, "Generate")) is not None:
+            self._refused(request, grpc_context, *refusal)
+            return pb.GenerateResponse()
         if (refusal := request_refusal(request, self.config)) is not None:
             self._refused(request, grpc_context, *refusal)
             return pb.GenerateResponse()
@@ -62,6 +65,9 @@ class Ingress:
         return pb.GenerateResponse()
 
     async def GenerateStream(self, request: pb.GenerateRequest, grpc_context):
+        if (refusal := self._key_refusal(grpc_context, "GenerateStream")) is not None:
+            self._refused(request, grpc_context, *refusal)
+            raise RequestRefused(refusal[1])
         if (refusal := request_refusal(request, self.config)) is not None:
             self._refused(request, grpc_context, *refusal)
             raise RequestRefused(refusal[1])
@@ -91,6 +97,9 @@ class Ingress:
             m.observe_latency(request_class, chunk.ttft_s, chunk.e2e_s, chunk.completion_tokens)
 
     async def GetStats(self, request: pb.GetStatsRequest, grpc_context) -> pb.GetStatsResponse:
+        if (refusal := self._key_refusal(grpc_context, "GetStats")) is not None:
+            _refuse(grpc_context, *refusal)
+            return pb.GetStatsResponse()
         out = await self._ask_controller(grpc_context, "stats")
         return pb.GetStatsResponse() if out is None else convert.to_stats(out)
 
@@ -109,6 +118,27 @@ class Ingress:
         except Exception as exc:
             _refuse(grpc_context, UNAVAILABLE, f"the controller is unavailable ({type(exc).__name__}); retry")
             return None
+
+    def _key_refusal(self, grpc_context, what: str) -> tuple[str, str] | None:
+        """(code, message) when the call lacks a valid API key (``auth.grpc_api_keys`` and keys
+        configured): UNAUTHENTICATED without one, PERMISSION_DENIED with a wrong one, UNAVAILABLE
+        when the server's key file cannot be read (closed, never open)."""
+        if not self.config.auth.grpc_api_keys:
+            return None
+        keys = self.__dict__.get("_api_keys")
+        if keys is None:
+            keys = self._api_keys = auth.ApiKeys(self.config.http.api_keys_env)
+        try:
+            verdict = keys.verdict(auth.bearer_from_metadata(grpc_context.invocation_metadata()))
+        except auth.KeysUnavailable as exc:
+            log.error("API keys unusable: %s", exc)
+            return UNAVAILABLE, f"{what}: the server's API keys are unavailable; see its configuration"
+        if verdict is auth.Verdict.OK:
+            return None
+        if verdict is auth.Verdict.MISSING:
+            return ("UNAUTHENTICATED", f"{what} needs an API key: send gRPC metadata 'authorization: Bearer <key>' "
+                                       "(the CLI and Client read $ADAPTSPEC_API_KEY)")
+        return "PERMISSION_DENIED", f"{what}: the API key is not valid"
 
     def _admin(self, grpc_context, what: str) -> bool:
         """Is the caller an admin? Otherwise the status is set: UNAUTHENTICATED without a bearer

@@ -36,7 +36,6 @@ Needs from its host: ``config`` (``ServiceConfig``), ``engine_stream(EngineReque
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 import uuid
@@ -257,55 +256,23 @@ class ModelList(BaseModel):
 
 
 # ---- API keys -------------------------------------------------------------------------------------
-class ApiKeys:
-    """The accepted keys: ``$<api_keys_env>`` holds them comma-separated, or is the path of a file
-    holding them (one per line or comma-separated: a Kubernetes Secret mounted as a volume). A file
-    is re-read when it changes (Kubernetes updates mounted Secrets in place), so keys rotate without
-    a restart. Unset or empty: no key is needed."""
-
-    def __init__(self, env_var: str):
-        self.env_var = env_var
-        self._seen: tuple | None = None
-        self._keys: tuple[str, ...] = ()
+class ApiKeys(auth.ApiKeys):
+    """``auth.ApiKeys`` with HTTP answers: 401 without a key, 403 with a wrong one, 503 (closed)
+    when the key source cannot be read."""
 
     def current(self) -> tuple[str, ...]:
-        value = os.environ.get(self.env_var, "").strip()
-        if not value.startswith("/"):
-            return _split_keys(value, f"${self.env_var}")
         try:
-            st = os.stat(value)
-        except FileNotFoundError:  # a Secret not mounted yet: closed, not open
-            raise ApiError(503, f"the API key file named by ${self.env_var} does not exist; see the server's "
-                                "configuration", code="api_keys_unavailable") from None
-        seen = (value, st.st_mtime_ns, st.st_size, st.st_ino)
-        if seen != self._seen:
-            with open(value, encoding="utf-8") as f:
-                keys = _split_keys(f.read(), value)
-            if not keys:
-                raise ApiError(503, f"the API key file named by ${self.env_var} holds no key",
-                               code="api_keys_unavailable")
-            self._keys, self._seen = keys, seen
-        return self._keys
+            return super().current()
+        except auth.KeysUnavailable as exc:
+            raise ApiError(503, str(exc), code="api_keys_unavailable") from None
 
     def check(self, request: Request) -> None:
-        keys = self.current()
-        if not keys:
-            return
-        verdict = auth.check(auth.parse_bearer(request.headers.get("authorization")), keys)
+        verdict = self.verdict(auth.parse_bearer(request.headers.get("authorization")))
         if verdict is auth.Verdict.MISSING:
             raise ApiError(401, "an API key is needed: send the header 'Authorization: Bearer <key>'",
                            code="missing_api_key")
         if verdict is not auth.Verdict.OK:
             raise ApiError(403, "the API key is not valid", code="invalid_api_key")
-
-
-def _split_keys(text: str, where: str) -> tuple[str, ...]:
-    keys = tuple(k.strip() for k in re.split(r"[,\n]", text) if k.strip())
-    for k in keys:
-        if len(k) > auth.MAX_TOKEN_CHARS or any(c.isspace() or not c.isprintable() for c in k):
-            raise ApiError(503, f"an API key in {where} is malformed (whitespace, control characters or too "
-                                "long); see the server's configuration", code="api_keys_unavailable")
-    return keys
 
 
 # ---- request -> EngineRequest ---------------------------------------------------------------------

@@ -23,12 +23,14 @@ import asyncio
 import collections
 import dataclasses
 import json
+import os
 import time
 
 import grpc
 
 from adaptspec.proto import adaptspec_pb2 as pb
 from adaptspec.proto import adaptspec_pb2_grpc as pb_grpc
+from adaptspec.serve.client import API_KEY_ENV
 
 
 @dataclasses.dataclass
@@ -75,7 +77,8 @@ class SoakResult:
 
 async def _client(stubs, i: int, res: SoakResult, end_t: float, *, app_name: str, max_tokens: int,
                   request_timeout_s: float, backoff_s: float, prompt_ids) -> None:
-    md = (("application", app_name),)
+    key = os.environ.get(API_KEY_ENV, "").strip()  # as the Client sends it
+    md = (("application", app_name),) + ((("authorization", f"Bearer {key}"),) if key else ())
     stub = stubs[i % len(stubs)]
     n = 0
     while time.monotonic() < end_t:

@@ -81,7 +81,7 @@ def service(tiny_dir, tmp_path_factory):
     app.start(cfg, num_cpus=4)
     engine_pids = _engine_pids() - before
     assert len(engine_pids) == 1, engine_pids
-    client = Client(f"127.0.0.1:{GRPC_PORT}")
+    client = Client(f"127.0.0.1:{GRPC_PORT}", api_key=KEY_A)  # the same keys guard gRPC
     base = f"http://127.0.0.1:{HTTP_PORT}/{cfg.app_name}"
     oai = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY_A, max_retries=0, timeout=60)
     http = httpx.Client(base_url=base, headers={"authorization": f"Bearer {KEY_A}"}, timeout=60)
@@ -326,7 +326,7 @@ def _hold(client: Client):
     from adaptspec.serve.client import request
 
     return client.stub.Generate.future(request(prompt_token_ids=[1, 2, 3], max_tokens=LONG, ignore_eos=True,
-                                               request_class="plain"), metadata=client.metadata, timeout=120)
+                                               request_class="plain"), metadata=client.data_metadata, timeout=120)
 
 
 def test_full_queue_is_429(service):
@@ -397,7 +397,7 @@ def test_smollm_chat_over_http_equals_grpc(service, smollm_dir):
         "models": {"dtype": "float32"}, "engine": {"max_num_seqs": 2, "max_model_len": 1024, "torch_threads": 1},
         "controller": {"report_interval_s": 0.1}, "http": {"api_keys_env": KEYS_ENV}})
     serve.run(app.build_app(cfg), name="smollm", route_prefix="/smollm")
-    client = Client(f"127.0.0.1:{GRPC_PORT}", app_name="smollm")
+    client = Client(f"127.0.0.1:{GRPC_PORT}", app_name="smollm", api_key=KEY_A)
     oai = openai.OpenAI(base_url=f"http://127.0.0.1:{HTTP_PORT}/smollm/v1", api_key=KEY_A, max_retries=0,
                         timeout=120)
     try:

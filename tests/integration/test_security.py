@@ -1,9 +1,10 @@
 """The security rules over real gRPC: real local Ray, Serve's gRPC proxy on loopback, tiny models.
 
 Two applications share the proxy: ``open`` (the defaults: clients may choose arms) and
-``locked`` (``allow_client_speculation: false``, tight request limits). The admin token is
-the one the operator gives in ``ADAPTSPEC_ADMIN_TOKEN`` (set before Ray starts, as a
-Kubernetes Secret sets it on every Ray container).
+``locked`` (``allow_client_speculation: false``, tight request limits, API keys from
+``$ADAPTSPEC_TEST_KEYS``). The admin token is the one the operator gives in
+``ADAPTSPEC_ADMIN_TOKEN`` (set before Ray starts, as a Kubernetes Secret sets it on every Ray
+container).
 """
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ pytestmark = pytest.mark.timeout(300)
 GRPC_PORT, HTTP_PORT = 9517, 8517
 TOKEN = "adm-" + secrets.token_urlsafe(24)
 WRONG = "adm-" + secrets.token_urlsafe(24)
+KEYS_ENV = "ADAPTSPEC_TEST_KEYS"
+API_KEY = "key-" + secrets.token_urlsafe(24)
 
 
 def _config(target, draft, **over) -> ServiceConfig:
@@ -47,22 +50,27 @@ def service(tiny_dir, tiny_draft_dir):
         app.stop()
     saved = os.environ.get("ADAPTSPEC_ADMIN_TOKEN")
     os.environ["ADAPTSPEC_ADMIN_TOKEN"] = TOKEN
+    os.environ[KEYS_ENV] = f"other-key,{API_KEY}"
     try:
         app.start(_config(tiny_dir, tiny_draft_dir, app_name="open"), num_cpus=4)
         locked = _config(tiny_dir, tiny_draft_dir, app_name="locked", allow_client_speculation=False,
-                         max_stop_strings=2, max_stop_chars=8, max_prompt_bytes=64)
+                         max_stop_strings=2, max_stop_chars=8, max_prompt_bytes=64,
+                         http={"api_keys_env": KEYS_ENV})
         serve.run(app.build_app(locked), name="locked", route_prefix="/locked")
         yield
     finally:
         app.stop()
+        os.environ.pop(KEYS_ENV, None)
         if saved is None:
             os.environ.pop("ADAPTSPEC_ADMIN_TOKEN", None)
         else:
             os.environ["ADAPTSPEC_ADMIN_TOKEN"] = saved
 
 
-def _client(app_name="open", token=None) -> Client:
-    return Client(f"127.0.0.1:{GRPC_PORT}", app_name, token=token)
+def _client(app_name="open", token=None, api_key=None) -> Client:
+    if api_key is None:
+        api_key = API_KEY if app_name == "locked" else ""
+    return Client(f"127.0.0.1:{GRPC_PORT}", app_name, token=token, api_key=api_key)
 
 
 def _code(fn) -> grpc.StatusCode:
@@ -105,6 +113,26 @@ def test_generate_and_stats_need_no_token(service):
     with _client(token="") as c:
         assert c.generate(prompt_token_ids=[1, 2, 3], max_tokens=4, timeout=60).token_ids
         assert c.stats().policy
+
+
+@pytest.mark.parametrize("call", ["generate", "stream", "stats"])
+def test_data_calls_need_an_api_key_where_keys_are_configured(service, call):
+    def do(c):
+        if call == "generate":
+            return c.generate(prompt_token_ids=[1, 2, 3], max_tokens=4, timeout=60).token_ids
+        if call == "stream":
+            return [t for ch in c.stream(prompt_token_ids=[1, 2, 3], max_tokens=4, timeout=60) for t in ch.token_ids]
+        return c.stats().policy
+
+    with _client("locked", api_key="") as c:
+        code, details = _code(lambda: do(c))
+        assert code == grpc.StatusCode.UNAUTHENTICATED and "authorization: Bearer" in details
+        assert c.health().status == c.health().SERVING  # probes need no key
+    with _client("locked", api_key=WRONG) as c:
+        code, details = _code(lambda: do(c))
+        assert code == grpc.StatusCode.PERMISSION_DENIED and API_KEY not in details and WRONG not in details
+    with _client("locked") as c:  # negative control: the right key (the second of two) passes
+        assert do(c)
 
 
 def test_cli_policy_reads_the_token_file(service, tmp_path):

@@ -163,6 +163,56 @@ def test_ray_auth_admin_secret_and_grpc_service(profile):
 
 
 @pytest.mark.parametrize("profile", PROFILES)
+def test_every_ray_container_reads_the_api_keys_from_the_mounted_secret(profile):
+    spec = _objects(profile)["RayService"]["spec"]["rayClusterConfig"]
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        pod = group["template"]["spec"]
+        c = pod["containers"][0]
+        env = {e["name"]: e for e in c["env"]}
+        path = env["ADAPTSPEC_API_KEYS"]["value"]
+        mount = next(m for m in c["volumeMounts"] if m["name"] == "api-keys")
+        assert mount["readOnly"] and path == f"{mount['mountPath']}/keys"
+        vol = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+        assert vol["secret"]["secretName"] == "adaptspec-api-keys"
+        assert vol["secret"]["items"] == [{"key": "keys", "path": "keys"}]
+        assert vol["secret"]["defaultMode"] & 0o007 == 0  # not readable by other users
+
+
+def test_without_an_api_keys_secret_nothing_is_mounted(tmp_path):
+    data = yaml.safe_load((deploy.PROFILES / "cpu-demo.yaml").read_text())
+    data["kubernetes"]["api_keys_secret"] = None
+    path = tmp_path / "open.yaml"
+    path.write_text(yaml.safe_dump(data))
+    files = deploy.profile_files(deploy.load_profile(path))
+    rs = next(o for objs in files.values() for o in objs if o["kind"] == "RayService")
+    spec = rs["spec"]["rayClusterConfig"]
+    for group in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+        c = group["template"]["spec"]["containers"][0]
+        assert "ADAPTSPEC_API_KEYS" not in {e["name"] for e in c["env"]}
+    assert "api-keys" not in json.dumps(files)
+
+
+def test_the_service_reads_keys_from_a_secret_volume_and_follows_rotation(tmp_path, monkeypatch):
+    """The layout the kubelet writes for a Secret volume: the key is a symlink through
+    ``..data``, which is swapped atomically to a new folder when the Secret changes."""
+    from adaptspec.serve.openai_api import ApiKeys
+
+    root = tmp_path / "api-keys"
+    root.mkdir()
+    for name, keys in (("..v1", "alpha\nbeta\n"), ("..v2", "gamma\n")):
+        (root / name).mkdir()
+        (root / name / "keys").write_text(keys)
+    (root / "..data").symlink_to("..v1")
+    (root / "keys").symlink_to("..data/keys")
+    monkeypatch.setenv("ADAPTSPEC_API_KEYS", str(root / "keys"))
+    keys = ApiKeys("ADAPTSPEC_API_KEYS")
+    assert keys.current() == ("alpha", "beta")
+    (root / "..tmp").symlink_to("..v2")
+    (root / "..tmp").replace(root / "..data")
+    assert keys.current() == ("gamma",)
+
+
+@pytest.mark.parametrize("profile", PROFILES)
 def test_network_policy_keeps_ray_ports_in_the_cluster(profile):
     np = _objects(profile)["NetworkPolicy"]["spec"]
     assert np["policyTypes"] == ["Ingress"]

@@ -128,6 +128,32 @@ def test_admin_calls_need_the_token(monkeypatch, method):
             assert "t0k3n-value" not in (ctx.details or "")
 
 
+def test_data_calls_check_api_keys_before_anything_else(monkeypatch, tmp_path):
+    from adaptspec.proto import adaptspec_pb2 as pb
+
+    monkeypatch.setenv("ADAPTSPEC_API_KEYS", "k-one,k-two")
+    req = pb.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=2)
+    for md, code in (((), grpc.StatusCode.UNAUTHENTICATED),
+                     ((("authorization", "Bearer k-three"),), grpc.StatusCode.PERMISSION_DENIED)):
+        host, calls = _host()
+        ctx = _Ctx(md)
+        asyncio.run(host.Generate(req, ctx))
+        assert ctx.code == code and "k-one" not in ctx.details and "k-two" not in ctx.details
+        ctx = _Ctx(md)
+        asyncio.run(host.GetStats(pb.GetStatsRequest(), ctx))
+        assert ctx.code == code and not calls
+    host, _ = _host()  # negative controls: the right key, or keys not asked of gRPC, pass the check
+    assert host._key_refusal(_Ctx((("authorization", "Bearer k-two"),)), "Generate") is None
+    host, _ = _host(auth={"grpc_api_keys": False})
+    assert host._key_refusal(_Ctx(), "Generate") is None
+    monkeypatch.setenv("ADAPTSPEC_API_KEYS", str(tmp_path / "missing"))  # a Secret not mounted: closed
+    host, _ = _host()
+    assert host._key_refusal(_Ctx((("authorization", "Bearer k-two"),)), "Generate")[0] == "UNAVAILABLE"
+    monkeypatch.delenv("ADAPTSPEC_API_KEYS")  # no keys configured: open, as before
+    host, _ = _host()
+    assert host._key_refusal(_Ctx(), "Generate") is None
+
+
 def test_admin_calls_are_closed_without_a_server_token(monkeypatch, tmp_path):
     from adaptspec.proto import adaptspec_pb2 as pb
 
