@@ -217,10 +217,15 @@ def summarize(sections: dict) -> dict:
         out["bandwidth_floor_ms"] = round(floor_ms, 4)
         out["decode_b1_step_ms"] = best_b1
         out["decode_b1_over_floor"] = round(best_b1 / floor_ms, 4) if best_b1 else None
-    v5 = get("verify_cost", "engine", "relative", "5")
-    if v5 is None:
-        v5 = get("verify_cost", "forward", "relative", "5")
+    # the engine's steps as served (graphs where there are), else eager, else the model alone
+    v5, v5_from = None, None
+    for key in ("engine_graphs", "engine", "forward"):
+        v5 = get("verify_cost", key, "relative", "5")
+        if v5 is not None:
+            v5_from = key
+            break
     out["verify5_over_verify1"] = v5
+    out["verify5_from"] = v5_from
     out["graphs_over_eager_b1"] = round(eager_b1 / graphs_b1, 4) if eager_b1 and graphs_b1 else None
     out["tests"] = {k: get("tests", k) for k in ("passed", "failed", "errors", "skipped")} \
         if get("tests", "status") == "ok" else get("tests", "status")

@@ -105,6 +105,10 @@ def test_summary_goals_are_met_and_missed_by_the_numbers():
     assert met["decode_b1_over_floor"] == pytest.approx(5.0 / floor_ms, rel=1e-3)
     assert met["graphs_over_eager_b1"] == 2.0
     assert met["verify5_over_verify1"] == 1.05  # the engine's number, not the forward's
+    assert met["verify5_from"] == "engine"
+    with_graphs = _sections(step_b1=10.0, graphs_b1=5.0, verify5=1.05)
+    with_graphs["verify_cost"]["engine_graphs"] = {"relative": {"5": 1.02}}
+    assert gc.summarize(with_graphs)["verify5_over_verify1"] == 1.02  # as served: with graphs
     assert {g: v["met"] for g, v in met["goals"].items()} == {
         "decode_b1_over_floor": True, "verify5_over_verify1": True, "graphs_over_eager_b1": True}
     assert met["tests"] == {"passed": 3, "failed": 0, "errors": 0, "skipped": 1}
