@@ -412,11 +412,10 @@ class Engine:
         for members, is_greedy in ((greedy, True), (stoch, False)):
             if not members:
                 continue
-            sel = (logits if len(members) == len(sampling) else logits.index_select(0, torch.as_tensor(
-                np.concatenate([np.arange(row_start[j], row_start[j + 1]) for j in members]), device=logits.device)))
-            d_ids = torch.tensor([t for j in members for t in drafts[sampling[j]].token_ids], dtype=torch.long,
-                                 device=self.device)
-            num_draft = torch.tensor([n[j] for j in members], dtype=torch.long, device=self.device)
+            sel = (logits if len(members) == len(sampling) else logits.index_select(0, self._put(torch.from_numpy(
+                np.concatenate([np.arange(row_start[j], row_start[j + 1]) for j in members])))))
+            d_ids = self._put([t for j in members for t in drafts[sampling[j]].token_ids], torch.long)
+            num_draft = self._put([n[j] for j in members], torch.long)
             max_k = max(n[j] for j in members)
             if is_greedy:
                 res = verifier.verify_greedy_dispatch(sel, d_ids, num_draft, max_num_draft_tokens=max_k,
@@ -435,6 +434,13 @@ class Engine:
             emitted[sampling[j]] = o[:a + 1]
         return emitted
 
+    def _put(self, x, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Host data (a list or CPU tensor) on the engine's device. On CUDA the copy is
+        queued without waiting: ``torch.tensor(..., device="cuda")`` would wait for the
+        forward still running, a second sync in the step."""
+        t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)
+        return t if self.device.type == "cpu" else t.to(self.device, non_blocking=True)
+
     def _verify_stochastic(self, seqs, drafts, logits, draft_ids, num_draft, max_k):
         """Temperature / top-k / top-p per request, then exact verification. Each request
         draws exactly k + 1 uniforms from its own generator, whatever else is in the batch."""
@@ -443,13 +449,13 @@ class Engine:
         if any(d.probs is not None for d in drafts):  # n-gram rows inside a model-draft batch: one-hot q
             q = torch.cat([d.probs.to(dev) if d.probs is not None else
                            torch.zeros(len(d.token_ids), vocab, device=dev).scatter_(
-                               1, torch.tensor(d.token_ids, device=dev)[:, None], 1.0) for d in drafts])
+                               1, self._put(d.token_ids, torch.long)[:, None], 1.0) for d in drafts])
         u = [torch.rand(len(d.token_ids) + 1, generator=s.generator) for s, d in zip(seqs, drafts)]
-        u_accept = torch.cat([x[:-1] for x in u]).to(dev)
-        u_sample = torch.stack([x[-1] for x in u]).to(dev)
-        temperature = torch.tensor([s.params.temperature for s in seqs], device=dev)
-        top_k = torch.tensor([s.params.top_k for s in seqs], device=dev)
-        top_p = torch.tensor([s.params.top_p for s in seqs], device=dev)
+        u_accept = self._put(torch.cat([x[:-1] for x in u]))
+        u_sample = self._put(torch.stack([x[-1] for x in u]))
+        temperature = self._put([s.params.temperature for s in seqs])
+        top_k = self._put([s.params.top_k for s in seqs])
+        top_p = self._put([s.params.top_p for s in seqs])
         any_top_k = any(s.params.top_k > 0 for s in seqs)  # decided on the host: no device sync
         any_top_p = any(s.params.top_p < 1.0 for s in seqs)
         return verifier.verify_stochastic_from_logits_dispatch(
