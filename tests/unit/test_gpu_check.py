@@ -206,10 +206,22 @@ def test_run_pytest_counts_and_names_failures(tmp_path):
     assert list(r["skip_reasons"].values()) == [1] and "needs a CUDA device" in list(r["skip_reasons"])[0]
 
 
-def test_run_pytest_stops_at_its_timeout(tmp_path):
-    (tmp_path / "test_slow.py").write_text("import time\ndef test_slow():\n    time.sleep(60)\n")
-    r = gc.run_pytest(["test_slow.py"], 3, cwd=tmp_path)
-    assert r["timed_out"] is True and r["status"] == "error" and "3 s" in r["error"]
+def test_run_pytest_stops_at_its_timeout_and_keeps_what_finished(tmp_path):
+    (tmp_path / "test_slow.py").write_text("import time\n"
+                                           "def test_quick():\n    pass\n"
+                                           "def test_wrong():\n    assert False\n"
+                                           "def test_slow():\n    time.sleep(60)\n")
+    r = gc.run_pytest(["test_slow.py"], 4, cwd=tmp_path, per_test_timeout_s=600)
+    assert r["timed_out"] is True and r["status"] == "error" and "4 s" in r["error"]
+    assert r["counted_from"].startswith("verbose output")
+    assert (r["passed"], r["failed"]) == (1, 1) and r["failures"][0]["test"] == "test_slow.py::test_wrong"
+
+
+def test_parse_verbose_counts_each_test_once():
+    text = ("tests/a.py::test_x[cpu] PASSED   [ 10%]\ntests/a.py::test_y SKIPPED (needs CUDA)  [ 20%]\n"
+            "tests/a.py::test_z PASSED\ntests/a.py::test_z ERROR\nnoise PASSED\n")
+    r = gc.parse_verbose(text)
+    assert (r["passed"], r["skipped"], r["errors"], r["failed"]) == (1, 1, 1, 0)
 
 
 def test_the_cuda_subset_and_the_cpu_skip():
