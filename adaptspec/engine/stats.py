@@ -28,7 +28,9 @@ class RequestStepStats:
 
 @dataclass(slots=True)
 class StepStats:
-    """One engine step. Times are wall seconds measured around each phase."""
+    """One engine step. Times are seconds measured around each phase by the host clock,
+    except on CUDA the forward's (``prefill_s + verify_s``): the GPU's time between two
+    events around the forward and verification kernels (``ForwardTimer``)."""
 
     step: int
     batch_size: int  # requests in the verification pass
