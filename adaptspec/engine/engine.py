@@ -301,8 +301,6 @@ class Engine:
         plan = self.scheduler.schedule(self._k_for)
         drafts = self._propose(plan.rows)
         t1 = time.perf_counter()
-        if self._timer is not None:
-            self._timer.start()
         logits, hidden = self._forward(plan.rows, drafts)
         emitted = self._verify(plan.rows, drafts, logits)  # the step's one host transfer
         t2 = time.perf_counter()
@@ -367,6 +365,8 @@ class Engine:
         """The target's forward over the step: ``(logits [num_logits, vocab], hidden)``. A step
         of decode / verification rows only that fits the graphs replays one (graphs on); any
         other step runs eagerly on its exact (unpadded) batch."""
+        if self._timer is not None:  # CUDA: the forward's time from events (stopped in _verify)
+            self._timer.start()
         tokens, ctx, tables, logit_rows = self._layout(rows, drafts)
         g = self.graphs
         if g is not None and all(r.decode for r in rows) and \
@@ -396,7 +396,9 @@ class Engine:
         """Each sampling row's accepted candidates plus its recovered or bonus token."""
         sampling = [i for i, r in enumerate(rows) if r.samples]
         emitted: list[list[int]] = [[] for _ in rows]
-        if not sampling:
+        if not sampling:  # no transfer this step (prompt chunks only)
+            if self._timer is not None:
+                self._timer.stop()
             return emitted
         n = [len(drafts[i].token_ids) for i in sampling]
         seqs = [rows[i].seq for i in sampling]
