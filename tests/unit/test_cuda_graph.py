@@ -215,6 +215,56 @@ def test_cpu_default_has_no_graph_path(folder):
     assert [s.step for s in seen] == list(range(len(seen))) and eng.last_step is seen[-1]
 
 
+class _FakeLap:
+    """A CUDA event pair stand-in: its step's forward 'ran' 1 ms, and the events complete
+    when the next step starts (as on a GPU when a step had no transfer)."""
+
+    def __init__(self, timer):
+        self.timer, self.step, self.waited = timer, timer.started, False
+
+    def ready(self) -> bool:
+        return self.timer.started > self.step
+
+    def seconds(self) -> float:
+        self.waited = not self.ready()
+        return 1e-3
+
+
+class _FakeTimer:
+    def __init__(self):
+        self.started, self.laps = 0, []
+
+    def start(self):
+        self.started += 1
+
+    def stop(self):
+        pass
+
+    def lap(self):
+        self.laps.append(_FakeLap(self))
+        return self.laps[-1]
+
+
+def test_event_timings_are_published_in_order_once_complete(folder):
+    """The CUDA publishing logic on the CPU, with a stand-in timer whose events complete a step
+    later: each step's stats reach the listeners after the next step, in order, with the
+    events' time as the forward's; when the engine goes idle the last step is waited for."""
+    eng = _engine(folder)
+    eng._timer = _FakeTimer()
+    seen = []
+    eng.step_listeners.append(seen.append)
+    eng.add_request([1, 2, 3, 4], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    eng.step()
+    assert seen == [] and eng.last_step is None  # its events have not run yet
+    eng.step()
+    assert [s.step for s in seen] == [0] and eng.last_step is seen[-1]
+    while eng.has_unfinished():
+        eng.step()
+    assert [s.step for s in seen] == list(range(eng.step_count))  # idle: nothing held back
+    assert [lap.waited for lap in eng._timer.laps] == [False] * (eng.step_count - 1) + [True]
+    assert all(abs(s.prefill_s + s.verify_s - 1e-3) < 1e-12 for s in seen)
+
+
 def test_loading_moves_only_final_tensors_in_the_model_dtype(folder, monkeypatch):
     """An fp32 checkpoint loaded as bf16: every tensor that reaches the device is bf16 and
     final (moved once; together exactly the model's weights and rotary tables), so the
