@@ -60,6 +60,9 @@ def load_cost_prior(spec: str | None, *, target: str, dtype: str, device: str, d
         return None
     from adaptspec.control.gpu_profiles import BUILTIN, builtin_profile
 
+    if dtype == "auto":  # as the loader resolves it (models.dtype's default)
+        dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
+
     if spec == "auto" or spec.startswith("auto:"):
         named = spec.partition(":")[2] or None
         if not named and target == "smollm2-135m" and device == "cpu" and dtype in ("float32", "bfloat16"):

@@ -302,6 +302,9 @@ def test_auto_cost_prior_is_the_measured_cpu_profile_of_the_default_models():
         stated = builtin_profile(f"cpu-smollm2-135m-{short}")
         assert not stated.profile.calibrated
         assert prior.verify_s(8.0, 0.0) < 0.5 * stated.verify_s(8.0, 0.0)
+    # the service's default dtype ("auto") is float32 on the CPU: the same measured prior
+    auto = load_cost_prior("auto", target="smollm2-135m", dtype="auto", device="cpu")
+    assert auto is not None and "float32" in auto.profile.name
     assert load_cost_prior("auto", target="some/other-model", dtype="float32", device="cpu") is None
     assert load_cost_prior(None, target="smollm2-135m", dtype="float32", device="cpu") is None
 
