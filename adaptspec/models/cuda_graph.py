@@ -136,7 +136,7 @@ class GraphRunner:
         h64[M:M + T], h64[M + T:M + N] = pos, 0  # padding rows at position 0: one key each
         h64[2 * M:2 * M + T], h64[2 * M + T:2 * M + N] = slot, self.pad_block * self.block_size
         L = len(logits_indices)
-        h64[3 * M:3 * M + L], h64[3 * M + L:3 * M + N] = logits_indices, N - 1
+        h64[3 * M:3 * M + L], h64[3 * M + L:3 * M + N] = logits_indices, 0  # row 0: in range for every bucket
         h32[0:B + 1], h32[B + 1:S + 2] = cu, N  # the padding rows: sequence B; any later ones are empty
         c0 = S + 2
         h32[c0:c0 + B], h32[c0 + B:c0 + S + 1] = ctx, 0
@@ -165,6 +165,7 @@ class GraphRunner:
                          num_tokens + [0] * pad, context_lens + [0] * pad, max_ctx, self.block_size, host)
 
     # ---- capture ------------------------------------------------------------------------
+    @torch.inference_mode()  # the outputs are inference tensors: the smaller graphs write into them
     def _capture(self) -> None:
         model, dev = self.model, self.model.device
         # an all-padding step: every row writes and reads the pad block only

@@ -150,6 +150,118 @@ def test_padded_path_with_a_feature_head(tmp_path_factory):
     assert got == want and sum(d for _, d, _ in got) > 0 and count.n > 0
 
 
+class _StaticTorchAttention(TritonAttention):
+    """A graph-safe attention in plain torch for the capture emulation below: the Triton
+    backend's device-only row -> sequence map, and each row attends over its sequence's
+    whole block table (a shape fixed by the table width), masked by position."""
+
+    name = "static-torch"
+
+    def attend(self, qkv, k_cache, v_cache, batch, meta):
+        seq_of, cos, sin = meta
+        N, H, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.rotate_and_write(qkv, k_cache, v_cache, batch.slot_mapping, cos, sin)  # [N, H, D]
+        bt = batch.block_tables.long()[seq_of.long()]  # [N, W]
+        W, bs = bt.shape[1], k_cache.shape[2]
+
+        def gather(cache):  # [N, Hkv, W * bs, D]
+            return cache[bt].permute(0, 2, 1, 3, 4).reshape(N, Hkv, W * bs, D)
+
+        mask = torch.arange(W * bs, device=q.device)[None, :] <= batch.positions[:, None]  # [N, W * bs]
+        a = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, None], gather(k_cache), gather(v_cache), attn_mask=mask[:, None, None], enable_gqa=Hkv != H)
+        return a.reshape(N, H * D)
+
+
+class _Capture(torch.utils._python_dispatch.TorchDispatchMode):
+    """What a CUDA graph keeps of a capture, emulated on the CPU: every aten op with its very
+    tensors. ``replay`` runs them again on the same memory, writing each op's new result into
+    the tensor it first returned (as a graph's kernels rewrite the same addresses)."""
+
+    SYNCS = ("_local_scalar_dense", "nonzero", "masked_select", "unique", "item")
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, args, kwargs or {}, out))
+        return out
+
+    def replay(self):
+        with torch.inference_mode():
+            for func, args, kwargs, out in self.ops:
+                new = func(*args, **kwargs)
+                for o, n in zip(*((out, new) if isinstance(out, (tuple, list)) else ((out,), (new,)))):
+                    if isinstance(o, torch.Tensor) and o is not n and o.data_ptr() != n.data_ptr():
+                        o.copy_(n)
+
+
+class _FakeCuda:
+    """The torch.cuda calls GraphRunner._capture makes, on the CPU."""
+
+    def __init__(self):
+        self.free = iter([10_000, 9_000])
+
+    class CUDAGraph:
+        def __init__(self):
+            self.capture = _Capture()
+
+        def pool(self):
+            return id(self)
+
+        def replay(self):
+            self.capture.replay()
+
+    @staticmethod
+    def graph(g, pool=None):
+        return g.capture
+
+    class Stream:
+        def __init__(self, *a):
+            pass
+
+        def wait_stream(self, other):
+            pass
+
+    def install(self, monkeypatch):
+        import contextlib
+
+        for name, fn in (("synchronize", lambda *a: None), ("empty_cache", lambda: None),
+                         ("mem_get_info", lambda *a: (next(self.free), 20_000)), ("Stream", self.Stream),
+                         ("stream", lambda s: contextlib.nullcontext()), ("current_stream", lambda *a: self.Stream()),
+                         ("CUDAGraph", self.CUDAGraph), ("graph", self.graph)):
+            monkeypatch.setattr(torch.cuda, name, fn)
+
+
+def test_emulated_capture_and_replay_give_the_eager_tokens(folder, monkeypatch):
+    """GraphRunner._capture itself, on the CPU: torch.cuda stood in for, each capture
+    recorded op by op and replayed on the same tensors (what a CUDA graph does), the model on
+    torch ops only with a graph-safe attention. Greedy with speculation through the engine
+    gives the eager engine's tokens; nothing captured reads device data on the host."""
+    monkeypatch.setenv("ADAPTSPEC_CPU_KERNEL", "0")  # torch ops only: the recorder sees every one
+    prompts = _prompts()
+    want = [o.token_ids for o in _engine(folder).generate(prompts, GREEDY, SPECS)]
+    eng = _engine(folder, cuda_graphs=True)
+    m, c = eng.target.model, eng.target.model.cfg
+    assert not m.fused
+    m._cuda_attn = _StaticTorchAttention(c.num_heads, c.num_kv_heads, c.head_dim, m.cos, m.sin)
+    runner = eng.graphs
+    _FakeCuda().install(monkeypatch)
+    runner.capture = True
+    runner._capture()
+    monkeypatch.undo()
+    assert sorted(runner.graphs) == list(runner.buckets) and runner.graph_bytes == 1000
+    for g in runner.graphs.values():
+        names = {f._opname for f, *_ in g.capture.ops}
+        assert not names & set(_Capture.SYNCS), names
+        assert {"embedding", "searchsorted", "index_put_", "index_select"} <= names  # the whole forward
+    count = _Count(runner)
+    got = [o.token_ids for o in eng.generate(prompts, GREEDY, SPECS)]
+    assert got == want and count.n >= GREEDY.max_new_tokens // 2
+
+
 def test_graph_safe_row_to_sequence_map():
     """The Triton backend's row -> sequence map comes from cu_seqlens on the device (no host
     list): right for empty sequences and a trailing padding sequence."""
