@@ -141,9 +141,8 @@ class GraphRunner:
         c0 = S + 2
         h32[c0:c0 + B], h32[c0 + B:c0 + S + 1] = ctx, 0
         tables = h32[2 * S + 3:].reshape(S + 1, W)
-        tables[:B, :bt.shape[1]] = bt
-        tables[:B, bt.shape[1]:] = self.pad_block  # never read (a row reads up to its own position)
-        tables[B] = self.pad_block
+        tables[:B, :bt.shape[1]] = bt  # entries past a table are never read (a row reads up to its position)
+        tables[B, :-(-N // self.block_size)] = self.pad_block  # as far as any padding row could read
 
     def _upload(self, num_seqs: int) -> None:
         """The staged step into the device buffers (the rows' tables up to sequence B only)."""
