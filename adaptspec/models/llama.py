@@ -193,7 +193,11 @@ class LlamaModel:
         self._cpu_attn = CpuAttention(*heads) if self.fused else None
         self._torch_attn = TorchAttention(*heads)
         # on CUDA the Triton kernel (only torch + triton needed); the torch reference elsewhere
-        self._cuda_attn = TritonAttention(*heads) if self.device.type == "cuda" and _triton_ok() else None
+        # (the kernel's tl.dot needs a power-of-two head_dim of at least 16; smaller test shapes
+        # get the torch reference)
+        D = cfg.head_dim
+        self._cuda_attn = (TritonAttention(*heads) if self.device.type == "cuda" and _triton_ok()
+                           and D >= 16 and not D & (D - 1) else None)
         self.k_cache: list[torch.Tensor] = []
         self.v_cache: list[torch.Tensor] = []
         self.num_blocks = 0
