@@ -90,21 +90,28 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
     from tqdm import tqdm
 
     grid = [(b, d, k) for b in batch_sizes for d, k in arms]
+    budget = int(engine.config.max_num_batched_tokens)
     for b, drafter, k in tqdm(grid, desc="calibrate", unit="point"):
         ids = []
+        # the step's token budget chunks the prompts over this many steps, and the requests
+        # prefilled first decode meanwhile: each must still run through the timed steps
+        prefill_steps = -(-b * prompt_tokens // budget) + 1
         for _ in range(b):
             # a repeated random phrase, so n-gram lookup finds candidates as in real text
             # away from the vocabulary's ends (special tokens), unless it is a tiny test vocabulary
             phrase = (rng.integers(100, vocab - 100, 16) if vocab > 400 else rng.integers(0, vocab, 16)).tolist()
             prompt = (phrase * (prompt_tokens // 16 + 1))[:prompt_tokens]
-            ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=(k + 1) * (steps + 2) + 2,
+            ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=(k + 1) * (steps + 2 + prefill_steps) + 2,
                                                                  ignore_eos=True),
                                           SpecConfig(drafter, k), raw=True))
-        engine.step()  # admission and prefill
-        st = engine.last_step
-        if prefill and st is not None and st.prefill_tokens:
-            samples.append(StepSample(b, "prefill", 0, st.prefill_tokens + st.verify_tokens, st.context_tokens,
-                                      st.prefill_s + st.verify_s, st.draft_s, st.other_s))
+        for _ in range(prefill_steps + 1):  # admission and prefill, in chunks when the budget says so
+            engine.step()
+            st = engine.last_step
+            if prefill and st is not None and st.prefill_tokens:
+                samples.append(StepSample(b, "prefill", 0, st.prefill_tokens + st.verify_tokens, st.context_tokens,
+                                          st.prefill_s + st.verify_s, st.draft_s, st.other_s))
+            if not engine.scheduler.waiting and not any(s.prefilling for s in engine.scheduler.running):
+                break
         for _ in range(steps):
             engine.step()
             st = engine.last_step

@@ -342,6 +342,55 @@ def _arm_key(arm) -> str:
     return f"{arm.drafter}:{arm.k}" if arm.k > 0 else "none:0"
 
 
+class SnapshotPolicy:
+    """A policy as a live replica sees it: the arm per class of a snapshot, refreshed every
+    ``interval_s`` (the controller's ``report_interval_s``); at a refresh the policy learns
+    from every step since the last one, then chooses every class's arm at the load of the
+    latest step (``ControlCore.report``). Time is engine time: the steps' seconds and the
+    host's between them (``host_gap``), so an idle engine (an open loop's quiet spells)
+    refreshes later than the live one. Everything else is the policy's own."""
+
+    def __init__(self, policy, classes: list[str], interval_s: float,
+                 host_gap: tuple[float, float] = (0.0, 0.0)) -> None:
+        from adaptspec.control.types import Load
+
+        self.inner, self.classes, self.interval_s, self.host_gap = policy, list(classes), interval_s, host_gap
+        self._pending: list = []
+        self._elapsed = 0.0
+        self._arms = dict(zip(self.classes, policy.choose_many(self.classes, Load())))
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def choose_many(self, classes: list[str], load) -> list:
+        missing = [c for c in classes if c not in self._arms]
+        if missing:  # a class the snapshot did not hold: the controller adds it at once
+            self.classes += missing
+            self._arms.update(zip(missing, self.inner.choose_many(missing, load)))
+        return [self._arms[c] for c in classes]
+
+    def observe(self, outcome) -> None:
+        self._pending.append(outcome)
+        a, b = self.host_gap
+        self._elapsed += outcome.wall_s + a + b * outcome.batch_size
+        if self._elapsed >= self.interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Report the steps since the last refresh and take a new snapshot (a live run's end
+        reports as well)."""
+        from adaptspec.control.types import Load
+
+        if not self._pending:
+            return
+        for o in self._pending:
+            self.inner.observe(o)
+        last = self._pending[-1]
+        self._pending, self._elapsed = [], 0.0
+        load = Load(max(last.batch_size, 1), last.queued, last.verify_tokens, last.context_tokens)
+        self._arms = dict(zip(self.classes, self.inner.choose_many(self.classes, load)))
+
+
 @dataclass(slots=True)
 class SimLevel:
     """What the simulator needs to mirror one live level (a closed loop of ``clients`` with

@@ -55,6 +55,9 @@ def fidelity(
     torch_threads: Optional[int] = typer.Option(None, help="torch threads (default: the replica's)"),
     host_gap: bool = typer.Option(True, "--host-gap/--no-host-gap",
                                   help="simulate the host's time between engine steps as measured live"),
+    snapshots: bool = typer.Option(True, "--snapshots/--no-snapshots",
+                                   help="simulated policies hand out arms by snapshot, refreshed every "
+                                        "controller.report_interval_s as a live replica's (no: every step)"),
     resimulate: Optional[Path] = typer.Option(None, help="a folder a fidelity run wrote: simulate its live runs "
                                                          "again (a changed simulator) and report into --out; "
                                                          "runs nothing live (level and policy options are "
@@ -70,7 +73,7 @@ def fidelity(
         if Path(resimulate).resolve() == Path(out).resolve():
             raise ValueError("--out: give another folder than --resimulate (its report stays as it was measured)")
         cells, goal_list, meta = resim(resimulate, out, console, config=config, host_gap=host_gap,
-                                       sim_seeds=sim_seeds if sim_seeds > 1 else None)
+                                       snapshots=snapshots, sim_seeds=sim_seeds if sim_seeds > 1 else None)
         _report(console, cells, goal_list, meta, out)
         return
     levels = load_levels(concurrency, "", think_time=think_time, think=think, seed=arrival_seed) if concurrency else []
@@ -86,7 +89,7 @@ def fidelity(
                            calibrate_repeats=calibrate_repeats,
                            calibrate_batch=_ints(calibrate_batch, "--calibrate-batch"),
                            calibrate_ks=_ints(calibrate_ks, "--calibrate-ks"), sim_seeds=sim_seeds, grpc=grpc,
-                           torch_threads=torch_threads, host_gap=host_gap, out=out)
+                           torch_threads=torch_threads, host_gap=host_gap, snapshots=snapshots, out=out)
     if not opts.classes:
         raise ValueError("--classes: at least one class")
     if profile and not Path(profile).is_file():

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from adaptspec.sim.fidelity import (
-    ALL, Cell, Row, Run, SimLevel, acceptance_source, goals, make_cell, side_metrics, simulate_level, step_time,
+    ALL, Cell, Row, Run, SimLevel, SnapshotPolicy, acceptance_source, goals, make_cell, side_metrics, simulate_level, step_time,
     to_json, truths_from_recording,
 )
 
@@ -54,6 +54,7 @@ class FidelityOptions:
     calibrate_ks: tuple[int, ...] = (2, 4, 8)
     sim_seeds: int = 1
     host_gap: bool = True  # simulate the host's time between engine steps as measured live
+    snapshots: bool = True  # the simulated policy's arms from snapshots, as a live replica's
     drain_s: float = 120.0
     grpc: bool = False
     torch_threads: int | None = None
@@ -248,11 +249,16 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
                         policies[key] = make_policy(name, drafters=cfg.drafters, max_k=cfg.controller.max_k,
                                                     targets=targets, seed=cfg.controller.seed + seed,
                                                     prior_cost=prior, fade_half_life_s=cfg.controller.fade_half_life_s)
+                        if opts.snapshots:
+                            policies[key] = SnapshotPolicy(policies[key], list(opts.classes),
+                                                           cfg.controller.report_interval_s, host_gap)
                     run, steps = simulate_level(lv, policy=policies[key], cost=cost, truths=truths,
                                                 classes=class_specs, prompt_set=prompt_set, warmup_s=opts.warmup_s,
                                                 duration_s=opts.duration_s, drain_s=opts.drain_s,
                                                 max_k=cfg.controller.max_k, seed=seed * 1000 + r, host_gap=host_gap)
                     runs.append(run)
+                    if isinstance(policies[key], SnapshotPolicy):
+                        policies[key].flush()  # the live run's last report
                     for cls, per in steps.items():
                         for a, n in per.items():
                             arms.setdefault(cls, {})[a] = arms.setdefault(cls, {}).get(a, 0) + n
@@ -441,7 +447,8 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     for path, runs in live.items():
         cells += compare(path, runs, sim, list(opts.classes))
     goal_list = goals(cells)
-    meta = {**meta, "notes": notes, "host_gap": {"a_s": used_gap[0], "per_request_s": used_gap[1]}}
+    meta = {**meta, "notes": notes, "host_gap": {"a_s": used_gap[0], "per_request_s": used_gap[1]},
+            "sim_snapshots_s": cfg.controller.report_interval_s if opts.snapshots else None}
     (out / "fidelity.json").write_text(to_json(cells, goal_list, meta))
     (out / "scenario.yaml").write_text(yaml.safe_dump(scenario_yaml(opts, cfg, str(Path(meta["profile"]).resolve()),
                                                                     recording, "acceptance.json", "prompt_set.csv"),
@@ -493,7 +500,7 @@ def load_live(path: Path) -> dict:
 
 
 def resimulate(src: Path, out: Path, console, *, config: str | None = None, host_gap: bool = True,
-               sim_seeds: int | None = None) -> tuple[list[Cell], list, dict]:
+               snapshots: bool = True, sim_seeds: int | None = None) -> tuple[list[Cell], list, dict]:
     """The simulated side again, against the live runs a fidelity run left in ``src``
     (``live_runs.json``, ``acceptance.json``, ``prompt_set.csv``, its profile): for a changed
     simulator, without the live runs (and the quiet machine) they took."""
@@ -519,7 +526,8 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
     opts = FidelityOptions(config=config, levels=levels, policies=list(meta["policies"]),
                            classes=list(meta["classes"]), max_tokens=meta["max_tokens"], duration_s=meta["duration_s"],
                            warmup_s=meta["warmup_s"], rounds=meta["rounds"], profile=meta["profile"],
-                           sim_seeds=sim_seeds or meta["sim_seeds"], host_gap=host_gap, out=Path(out))
+                           sim_seeds=sim_seeds or meta["sim_seeds"], host_gap=host_gap, snapshots=snapshots,
+                           out=Path(out))
     profile = Path(meta["profile"])
     if not profile.is_file():
         profile = src / "profile.json"

@@ -402,6 +402,39 @@ def test_host_gap_fit_and_its_fallbacks():
     assert fit_host_gap([]) == (0.0, 0.0) and fit_host_gap([(4, 0.002), (4, 0.004)]) == (pytest.approx(0.003), 0.0)
 
 
+def test_snapshot_policy_hands_out_arms_as_a_live_replica_sees_them():
+    """Arms change only at a refresh, after interval_s of engine time (steps and the host's
+    gaps), when the policy has learned from every step since the last one. Control: the
+    policy itself would answer differently at every step."""
+    from adaptspec.control import Arm, Load, StepOutcome
+    from adaptspec.sim.fidelity import SnapshotPolicy
+
+    class Counting:  # a new arm at every decision
+        def __init__(self):
+            self.decisions, self.seen, self.table = 0, [], NS(arms=[])
+
+        def choose_many(self, classes, load):
+            self.decisions += 1
+            return [Arm("ngram", self.decisions) for _ in classes]
+
+        def observe(self, o):
+            self.seen.append(o)
+
+    inner = Counting()
+    snap = SnapshotPolicy(inner, ["a", "b"], interval_s=1.0, host_gap=(0.05, 0.0))
+    step = StepOutcome(4, 0, 8, 100, 0.0, 0.15, 0.0, 0.15)  # 0.15 s + 0.05 s host: 5 steps a second
+    arms = []
+    for _ in range(12):
+        arms.append(snap.choose_many(["a", "b"], Load()))
+        snap.observe(step)
+    assert [a[0].k for a in arms] == [1] * 5 + [2] * 5 + [3] * 2 and all(x == y for x, y in arms)
+    assert len(inner.seen) == 10 and snap.table is inner.table  # learned in two reports; the rest is the policy's
+    snap.flush()
+    assert len(inner.seen) == 12 and snap.choose_many(["a"], Load())[0].k == 4
+    assert snap.choose_many(["c"], Load())[0].k == 5  # a class the snapshot lacked: added at once
+    assert inner.choose_many(["a"], Load())[0].k != inner.choose_many(["a"], Load())[0].k  # the control
+
+
 def test_step_rows_report_the_engine_per_level():
     from adaptspec.sim.fidelity import step_rows
 

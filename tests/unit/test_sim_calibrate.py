@@ -68,3 +68,21 @@ def test_isotonic_fit_pools_a_slow_level_with_its_neighbours():
     assert out.tolist() == pytest.approx([1.0, 2.0, 16 / 3, 16 / 3, 16 / 3, 10.0])
     assert np.maximum.accumulate(y).tolist() == [1, 2, 9, 9, 9, 10]  # what a running maximum gives
     assert _isotonic(np.array([3.0, 1.0]), np.array([1.0, 3.0])).tolist() == pytest.approx([1.5, 1.5])
+
+
+def test_calibration_times_decode_steps_of_a_batch_whose_prompts_take_several_steps(tiny_dir, tmp_path):
+    """8 prompts of 128 tokens are 1024 prompt tokens, four steps of the engine's 256-token
+    budget: the calibration waits them out, then times decode steps of all 8 (it used to stop
+    at the first step with fewer than 8 decoding, and kept no decode step of a batch above 2)."""
+    import csv
+
+    from adaptspec.sim.calibrate import calibrate
+
+    out = calibrate(tmp_path / "p.json", target=str(tiny_dir), draft=None, dtype="float32", device="cpu",
+                    repeats=2, batch_sizes=(1, 8), ks=(2,), prefill=True)
+    rows = list(csv.DictReader(open(out.with_suffix(".steps.csv"))))
+    decode = [r for r in rows if r["drafter"] != "prefill"]
+    assert {(r["batch_size"], r["drafter"]) for r in decode} == {(b, d) for b in ("1", "8") for d in ("none", "ngram")}
+    assert all(int(r["verify_tokens"]) >= 8 for r in decode if r["batch_size"] == "8")
+    chunks = [r for r in rows if r["drafter"] == "prefill" and r["batch_size"] == "8"]
+    assert len(chunks) >= 2 * 4  # each of the two points prefilled in four budgeted steps or more
