@@ -71,17 +71,20 @@ def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_c
 
 def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: str, repeats: int,
               batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), ks: tuple[int, ...] = (1, 2, 4, 8),
-              prompt_tokens: int = 128, context_term: bool = True, prefill: bool = False) -> Path:
+              prompt_tokens: int = 128, context_term: bool = True, prefill: bool = False,
+              engine_options: dict | None = None) -> Path:
     """``prefill``: also keep each point's admission step (its prompts' prefill and whatever
     the engine runs with it) as a sample at its prefill + verify tokens, so the profile's
     token table reaches prompt-sized passes (the simulator prices a step's prompt chunks on
-    the same table) instead of extrapolating the decode steps' slope."""
+    the same table) instead of extrapolating the decode steps' slope. ``engine_options``: more
+    ``Engine.from_pretrained`` settings (a service's: token budget, block size, prefix cache)."""
     try:
         from adaptspec import Engine, SamplingParams, SpecConfig
     except Exception as e:  # pragma: no cover - depends on the install
         raise RuntimeError(f"calibrate needs the engine (torch): {e}") from None
     max_seqs = max(batch_sizes)
-    engine = Engine.from_pretrained(target=target, draft=draft, dtype=dtype, device=device, max_num_seqs=max_seqs)
+    engine = Engine.from_pretrained(target=target, draft=draft, dtype=dtype, device=device, max_num_seqs=max_seqs,
+                                    **(engine_options or {}))
     rng = np.random.default_rng(0)
     vocab = int(engine.target.vocab_size)
     arms = [("none", 0)] + [("ngram", k) for k in ks] + ([("draft", k) for k in ks] if draft else [])

@@ -133,7 +133,12 @@ def calibrate_for(cfg, out: Path, opts: FidelityOptions) -> Path:
                      repeats=opts.calibrate_repeats, batch_sizes=batch, ks=ks, prefill=True,
                      # the table alone: within a token count the measured contexts barely vary, so a
                      # context term is fitted to noise and can leave the table flat (``fit_profile``)
-                     context_term=False)
+                     context_term=False,
+                     engine_options={"max_model_len": cfg.engine.max_model_len,
+                                     "max_num_batched_tokens": cfg.engine.max_num_batched_tokens,
+                                     "block_size": cfg.engine.block_size,
+                                     "enable_prefix_caching": cfg.engine.enable_prefix_caching,
+                                     "kv_cache_memory": cfg.engine.kv_cache_memory})
 
 
 class StepLog:
