@@ -83,7 +83,8 @@ def test_padded_path_gives_the_eager_tokens(folder):
 
 def test_padded_logits_equal_the_unpadded_ones(folder):
     """One verification step through the runner against the model's own forward on the
-    exact batch: the CPU kernels compute each row alone, so the logits are bitwise equal."""
+    exact batch: the CPU kernels compute each row alone, so the logits are bitwise equal
+    (padding rows change nothing)."""
     from adaptspec.models.batch import FlatBatch
 
     eng = _engine(folder, cuda_graphs=True)
@@ -101,7 +102,10 @@ def test_padded_logits_equal_the_unpadded_ones(folder):
     for k, saved in zip(model.k_cache, kc):  # the caches as before the step, for the eager run
         k.copy_(saved)
     want, wh = model.forward(FlatBatch.build(rows, ctx, tables, logits_rows, model.block_size, "cpu"))
-    assert torch.equal(got, want) and torch.equal(gh, wh)
+    if model.fused:  # the C kernels: a row's result never depends on the other rows
+        assert torch.equal(got, want) and torch.equal(gh, wh)
+    else:  # no C compiler here: a BLAS may round a product over more rows differently
+        assert torch.allclose(got, want, atol=1e-5) and torch.allclose(gh, wh, atol=1e-5)
 
 
 def test_a_pad_block_that_a_request_owns_is_caught(folder):
@@ -123,8 +127,9 @@ def test_padding_rows_only_touch_the_pad_block(folder):
     b.generate(prompts, GREEDY, SPECS[:2])
     pad = b.graphs.pad_block
     assert pad == b.num_blocks and b.target.model.num_blocks == b.num_blocks + 1
+    same = torch.equal if b.target.model.fused else lambda x, y: torch.allclose(x, y, atol=1e-5)  # (BLAS rounding)
     for ka, kb in zip(a.target.model.k_cache, b.target.model.k_cache):
-        assert torch.equal(ka, kb[:pad])
+        assert same(ka, kb[:pad])
     assert b.target.model.k_cache[0][pad].abs().sum() > 0  # the padding rows did write there
 
 
