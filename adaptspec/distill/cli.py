@@ -53,7 +53,8 @@ def register(app: typer.Typer) -> None:
         samples: int = typer.Option(1, help="sampled continuations per prompt, besides the greedy one"),
         data: Optional[Path] = typer.Option(None, help="data file to use/extend (default OUT/data.pt)"),
         max_train_tokens: Optional[int] = typer.Option(None, "--max-train-tokens", help="train on the first N data tokens only"),
-        init: str = typer.Option("target", help="target (warm start from the target's layers) or random"),
+        init: str = typer.Option("target", help="target (warm start from the target's layers), random, or "
+                                                "(sharegpt) a saved head to continue, e.g. smollm2-135m-draft"),
         device: str = typer.Option("cpu", help="cpu or cuda"),
         dtype: str = typer.Option("float32", help="the target's dtype for data and features"),
         seed: int = typer.Option(0),
@@ -71,6 +72,13 @@ def register(app: typer.Typer) -> None:
                      "batch_tokens": batch_tokens, "epochs": epochs if epochs != 100.0 else 4.0, "steps": steps,
                      "time_budget_s": time_budget * 60 if time_budget is not None else None, "seed": seed,
                      "init": init}
+            if init not in ("target", "random"):  # continue a saved head: its architecture and vocabulary
+                from adaptspec.distill.head import read_head_config
+                from adaptspec.models.registry import resolve
+
+                hc = read_head_config(resolve(init, quiet=True))
+                train.update(init="target", init_head=init, arch=hc.arch, layers=hc.num_layers,
+                             vocab_top=hc.draft_vocab_size)
             plan = Plan(run=out, target=target, dtype=dtype if dtype != "float32" else "bfloat16",
                         onpolicy_tokens=onpolicy_tokens, offpolicy_tokens=offpolicy_tokens,
                         max_new_tokens=min(max_new_tokens, 128), gen_batch=gen_batch, feature_layers=flayers,

@@ -211,18 +211,18 @@ class DraftHead(nn.Module):
         """adaptspec: ``W_in [rmsnorm(f); rmsnorm(embed(x))]``."""
         eps = self.cfg.rms_norm_eps
         e = F.embedding(next_tokens, self.embed).to(feats.dtype)
-        x = torch.cat([F.rms_norm(feats, (feats.shape[-1],), self.feature_norm, eps),
-                       F.rms_norm(e, (e.shape[-1],), self.token_norm, eps)], -1)
+        x = torch.cat([_rms(feats, self.feature_norm, eps),
+                       _rms(e, self.token_norm, eps)], -1)
         return self.fc(x)
 
     def fuse(self, feats: torch.Tensor) -> torch.Tensor:
         """eagle3: the target features [.., nF * H_t] -> the hidden state [.., H] (``fc``)."""
         eps = self.cfg.rms_norm_eps
         if self.input_norm is not None:
-            feats = F.rms_norm(feats, (feats.shape[-1],), self.input_norm, eps)
+            feats = _rms(feats, self.input_norm, eps)
         if self.fc_norm is not None:
             parts = feats.chunk(len(self.fc_norm), -1)
-            feats = torch.cat([F.rms_norm(x, (x.shape[-1],), w, eps) for x, w in zip(parts, self.fc_norm)], -1)
+            feats = torch.cat([_rms(x, w, eps) for x, w in zip(parts, self.fc_norm)], -1)
         return self.fc(feats)
 
     def forward(self, feats: torch.Tensor, tokens: torch.Tensor, passes: int = 1) -> list[torch.Tensor]:
@@ -249,7 +249,7 @@ class DraftHead(nn.Module):
             h = h_in if eagle3 else self.input_proj(h_in, nxt)
             for li, Lr in enumerate(self.layers):
                 h = self._layer(Lr, h, cos, sin, kv[li], s, e if Lr.eagle3_first else None)
-            g = F.rms_norm(h, (H,), self.norm, c.rms_norm_eps)
+            g = _rms(h, self.norm, c.rms_norm_eps)
             outs.append(g)
             fb = h if eagle3 and not c.norm_output else g
         return outs
@@ -260,12 +260,12 @@ class DraftHead(nn.Module):
         hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
         eps = c.rms_norm_eps
         if e is not None:  # eagle3's first layer: [token; hidden] in, the hidden part is the residual
-            hn = F.rms_norm(h, (H,), Lr.hidden_norm, eps)
-            x = torch.cat([F.rms_norm(e.to(h.dtype), (H,), Lr.input_layernorm, eps), hn], -1)
+            hn = _rms(h, Lr.hidden_norm, eps)
+            x = torch.cat([_rms(e.to(h.dtype), Lr.input_layernorm, eps), hn], -1)
             if c.norm_before_residual:
                 h = hn
         else:
-            x = F.rms_norm(h, (H,), Lr.input_layernorm, eps)
+            x = _rms(h, Lr.input_layernorm, eps)
         q = Lr.q_proj(x).view(B, n, nh, hd).transpose(1, 2)
         k = Lr.k_proj(x).view(B, n, nkv, hd).transpose(1, 2)
         v = Lr.v_proj(x).view(B, n, nkv, hd).transpose(1, 2)
@@ -300,12 +300,18 @@ class DraftHead(nn.Module):
             for i, vr_sh in enumerate(diag_v):
                 a = a + p[..., n + i:n + i + 1] * vr_sh
         h = h + Lr.o_proj(a.transpose(1, 2).reshape(B, n, nh * hd))
-        x = F.rms_norm(h, (H,), Lr.post_attention_layernorm, eps)
+        x = _rms(h, Lr.post_attention_layernorm, eps)
         return h + Lr.down_proj(F.silu(Lr.gate_proj(x)) * Lr.up_proj(x))
 
     def logits(self, g: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [.., N] of head features."""
         return g @ self.out_weight.to(g.dtype).t()
+
+
+def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim; the weight in the input's dtype, so bf16 autocast takes
+    the fused kernel rather than the slow mixed-dtype path."""
+    return F.rms_norm(x, (x.shape[-1],), w.to(x.dtype), eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

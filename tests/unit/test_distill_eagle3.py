@@ -185,6 +185,41 @@ def test_training_on_stored_features_raises_held_out_acceptance_and_resumes(targ
     assert evaluate(again, held, 3) == evaluate(tr2.head, held, 3)
 
 
+def test_a_saved_first_format_head_continues_on_chosen_sources(target_dir, tmp_path):
+    """``init_head``: the trainer starts from a saved format-1 head (its weights, its draft
+    vocabulary, the final-state feature), so its first held-out point is that head's own
+    acceptance; ``sources`` keeps the other source's shards out of the batches."""
+    from dataclasses import replace
+
+    from adaptspec.models.loader import load_weights
+
+    layers = default_feature_layers(4)
+    t = Teacher(target_dir, torch.float32, layers)
+    train, held = FeatureStore(tmp_path / "train"), FeatureStore(tmp_path / "held")
+    extract(train, t, {"a": iter(_items(24, 1, target_dir)), "b": iter(_items(8, 2, target_dir))},
+            {"a": 10**9, "b": 10**9}, shard_tokens=300)
+    extract(held, t, {"a": iter(_items(8, 1, target_dir))}, {"a": 10**9})
+    w, tcfg = load_weights(target_dir), _tcfg(target_dir)
+    base = ShardTrainConfig(arch="adaptspec", vocab_top=30, passes=2, lr=1e-2, batch_tokens=512, steps=30,
+                            warmup_steps=5, eval_every_steps=0, eval_k=3, init="random", autocast=False,
+                            buffer_shards=2, sources=["a"])
+    first = ShardTrainer(base, train, held, w, tcfg, tmp_path / "first", feature_layers=layers)
+    st = first.train(progress=False)
+    assert st.curve[-1]["held_out"]["alpha"] > st.curve[0]["held_out"]["alpha"] + 0.15  # the final-state feature learns
+    assert {train.shards[i]["source"] for i in first.shard_ids} == {"a"} and len(first.shard_ids) < len(train.shards)
+    folder = save_head(first.head, tmp_path / "head", dtype=torch.float32)
+    assert read_head_config(folder).arch == "adaptspec"
+    cont = ShardTrainer(replace(base, init_head=str(folder), vocab_top=7, steps=0), train, held, w, tcfg,
+                        tmp_path / "cont", feature_layers=layers)
+    assert torch.equal(cont.head.vocab_ids, first.head.vocab_ids)  # the head's vocabulary, not vocab_top's
+    assert cont.train(progress=False).curve[0]["held_out"] == evaluate(first.head, held, 3, "final")
+    with pytest.raises(ValueError, match="init_head"):
+        ShardTrainer(replace(base, init_head=str(folder), arch="eagle3"), train, held, w, tcfg, tmp_path / "x",
+                     feature_layers=layers)
+    with pytest.raises(ValueError, match="sources"):
+        ShardTrainer(replace(base, sources=["c"]), train, held, w, tcfg, tmp_path / "y", feature_layers=layers)
+
+
 # ---- the file format ----------------------------------------------------------------------------
 def test_the_first_format_still_reads(tmp_path):
     from adaptspec.models.registry import packaged_dir
