@@ -121,9 +121,9 @@ def _report(console, cells, goal_list, meta, out: Path) -> None:
             console.print(f"    {m}")
         if len(g.misses) > 8:
             console.print(f"    ... and {len(g.misses) - 8} more")
-    gap = meta.get("host_gap") or {}
-    console.print(f"host time between steps, simulated: {1e3 * gap.get('a_s', 0.0):.2f} ms + "
-                  f"{1e3 * gap.get('per_request_s', 0.0):.3f} ms per request in the step")
+    for p, g in (meta.get("host_gap") or {"(none)": {}}).items():
+        console.print(f"host time between steps, simulated ({p}): {1e3 * g.get('a_s', 0.0):.2f} ms + "
+                      f"{1e3 * g.get('per_request_s', 0.0):.3f} ms per request in the step")
     for n in meta["notes"]:
         console.print(f"note: {n}")
     png = plot(cells, out / "fidelity.png", title=f"simulated vs live, {meta['machine']}, {meta['date'][:10]}")

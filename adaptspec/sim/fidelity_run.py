@@ -153,7 +153,7 @@ class StepLog:
         self.steps: list[tuple[float, float]] = []
         self._rows: list[int] = []
         self._busy: list[bool] = []
-        self.gaps: list[tuple[int, float]] = []
+        self.gaps: dict[str, list[tuple[int, float]]] = {}  # policy in force -> (requests, seconds)
 
     def __call__(self, st) -> None:
         self.steps.append((time.perf_counter(), st.wall_s))
@@ -164,12 +164,13 @@ class StepLog:
         """``step_time`` of the logged steps over [w0, w1]."""
         return step_time([t for t, _ in self.steps], [w for _, w in self.steps], (w0, w1))
 
-    def clear(self) -> None:
-        """End of a run: keep its gaps, forget its steps (the next run's first step follows a
-        policy switch, not a step)."""
+    def clear(self, policy: str = "*") -> None:
+        """End of a run of ``policy``: keep its gaps, forget its steps (the next run's first
+        step follows a policy switch, not a step)."""
+        gaps = self.gaps.setdefault(policy, [])
         for i in range(1, len(self.steps)):
             if self._busy[i - 1]:
-                self.gaps.append((self._rows[i - 1], self.steps[i][0] - self.steps[i][1] - self.steps[i - 1][0]))
+                gaps.append((self._rows[i - 1], self.steps[i][0] - self.steps[i][1] - self.steps[i - 1][0]))
         self.steps.clear()
         self._rows.clear()
         self._busy.clear()
@@ -190,7 +191,7 @@ def _live_levels(opts: FidelityOptions, spec, console, *, current, switch, run_o
         runs.setdefault((current(), as_arrivals(n).label), []).append(
             Run(rows_from_records(got), (window.start_s, window.end_s), *steps))
         if step_log is not None:
-            step_log.clear()
+            step_log.clear(current())
         return got, window
 
     summaries = _interleaved_levels(opts.levels, opts.policies, opts.rounds, opts.fresh, spec, console,
@@ -225,11 +226,11 @@ def _sim_level(level) -> SimLevel:
 
 
 def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_set, console=None,
-                 host_gap: tuple[float, float] = (0.0, 0.0)) -> dict:
+                 host_gap: dict | None = None) -> dict:
     """{(policy, level label): ([Run], {class: {arm: steps}})}: every (level, policy) as the
     live run had them, ``rounds`` runs each (an adaptive policy carries what it learned from
     run to run unless ``fresh``, as the live controller does), for each of ``sim_seeds``
-    seeds."""
+    seeds. ``host_gap``: {policy: (a, b)}, ``"*"`` for any other policy (``host_gaps``)."""
     from adaptspec.control import ClassTarget
     from adaptspec.serve.loadtest import as_arrivals
     from adaptspec.serve.policies import load_cost_prior, make_policy
@@ -246,6 +247,7 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
         if arr.open:
             lv.arrivals_s = arr.times(opts.warmup_s + opts.duration_s)  # the live run's arrival times
         for name in opts.policies:
+            gap = (host_gap or {}).get(name, (host_gap or {}).get("*", (0.0, 0.0)))
             runs, arms = [], {}
             for seed in range(opts.sim_seeds):
                 for r in range(opts.rounds):
@@ -256,11 +258,11 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
                                                     prior_cost=prior, fade_half_life_s=cfg.controller.fade_half_life_s)
                         if opts.snapshots:
                             policies[key] = SnapshotPolicy(policies[key], list(opts.classes),
-                                                           cfg.controller.report_interval_s, host_gap)
+                                                           cfg.controller.report_interval_s, gap)
                     run, steps = simulate_level(lv, policy=policies[key], cost=cost, truths=truths,
                                                 classes=class_specs, prompt_set=prompt_set, warmup_s=opts.warmup_s,
                                                 duration_s=opts.duration_s, drain_s=opts.drain_s,
-                                                max_k=cfg.controller.max_k, seed=seed * 1000 + r, host_gap=host_gap)
+                                                max_k=cfg.controller.max_k, seed=seed * 1000 + r, host_gap=gap)
                     runs.append(run)
                     if isinstance(policies[key], SnapshotPolicy):
                         policies[key].flush()  # the live run's last report
@@ -377,7 +379,6 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     from adaptspec.serve.inprocess import InProcessService
     from adaptspec.serve.loadtest import LoadSpec
     from adaptspec.sim.acceptance_replay import AcceptanceRecorder
-    from adaptspec.sim.fidelity import fit_host_gap
 
     cfg = load_config(opts.config)
     out = Path(opts.out)
@@ -410,7 +411,7 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
         w.writerow(["request_class", "num_prefill_tokens", "num_decode_tokens", "num_cached_tokens"])
         w.writerows(ps_rows)
     cost = sim_profile(profile_path, cfg, svc.engine)
-    gap = fit_host_gap(step_log.gaps)
+    gap = host_gaps(step_log.gaps)
     # the live controller's own step-time predictions against the engine's (a model-based policy)
     cost_check = {p: c.table() for p, c in svc.cost_checks.items() if c.rows}
     if opts.grpc:
@@ -428,16 +429,29 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
         "acceptance_steps": recorder.steps, "controller_cost_check": cost_check,
         "sim_limits": {k: getattr(cost.profile, k) for k in ("max_num_seqs", "kv_capacity_tokens",
                                                              "max_batched_tokens")},
-        "host_gap_measured": {"a_s": gap[0], "per_request_s": gap[1], "gaps": len(step_log.gaps),
-                              "mean_s": float(np.mean([g for _, g in step_log.gaps])) if step_log.gaps else 0.0},
+        "host_gap_measured": {p: {"a_s": a, "per_request_s": b, "gaps": n, "mean_s": mean}
+                              for p, (a, b, n, mean) in gap.items()},
         "live_summaries": {p: [asdict(s) for s in summ] for p, (_, summ) in live.items()},
     }
     runs = {p: r for p, (r, _) in live.items()}
-    return simulate_and_report(cfg, opts, out, runs, recording, prompt_set, cost, gap, meta, console)
+    gaps = {p: (a, b) for p, (a, b, _, _) in gap.items()}
+    return simulate_and_report(cfg, opts, out, runs, recording, prompt_set, cost, gaps, meta, console)
+
+
+def host_gaps(gaps: dict[str, list[tuple[int, float]]]) -> dict[str, tuple[float, float, int, float]]:
+    """{policy: (a, b, gaps, mean gap)} fitted per policy (its controller's reports cost what
+    they cost) and over all of them (``"*"``)."""
+    from adaptspec.sim.fidelity import fit_host_gap
+
+    out = {}
+    pooled = [g for gs in gaps.values() for g in gs]
+    for p, gs in [("*", pooled), *gaps.items()]:
+        out[p] = (*fit_host_gap(gs), len(gs), float(np.mean([g for _, g in gs])) if gs else 0.0)
+    return out
 
 
 def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recording, prompt_set, cost,
-                        gap: tuple[float, float], meta: dict, console) -> tuple[list[Cell], list, dict]:
+                        gap: dict, meta: dict, console) -> tuple[list[Cell], list, dict]:
     """The simulated side of every (level, policy) and the comparison: ``fidelity.json``,
     ``scenario.yaml``; ``live``: {path: {(policy, level label): [Run]}}."""
     import yaml
@@ -446,13 +460,13 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
 
     truths, notes = truths_from_recording(recording, list(opts.classes), cfg.drafters)
     class_specs = [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes]
-    used_gap = gap if opts.host_gap else (0.0, 0.0)
+    used_gap = gap if opts.host_gap else {}
     sim = simulate_all(cfg, opts, cost, truths, class_specs, prompt_set, host_gap=used_gap)
     cells = []
     for path, runs in live.items():
         cells += compare(path, runs, sim, list(opts.classes))
     goal_list = goals(cells)
-    meta = {**meta, "notes": notes, "host_gap": {"a_s": used_gap[0], "per_request_s": used_gap[1]},
+    meta = {**meta, "notes": notes, "host_gap": {p: {"a_s": a, "per_request_s": b} for p, (a, b) in used_gap.items()},
             "sim_snapshots_s": cfg.controller.report_interval_s if opts.snapshots else None}
     (out / "fidelity.json").write_text(to_json(cells, goal_list, meta))
     (out / "scenario.yaml").write_text(yaml.safe_dump(scenario_yaml(opts, cfg, str(Path(meta["profile"]).resolve()),
@@ -542,7 +556,9 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
     prompt_set = read_prompt_set(PromptSetSpec(path=str(src / "prompt_set.csv")), src,
                                  [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes])
     gap_meta = meta.get("host_gap_measured") or {}
-    gap = (float(gap_meta.get("a_s", 0.0)), float(gap_meta.get("per_request_s", 0.0)))
+    if "a_s" in gap_meta:  # one line for every policy (the first runs of this command)
+        gap_meta = {"*": gap_meta}
+    gap = {p: (float(g.get("a_s", 0.0)), float(g.get("per_request_s", 0.0))) for p, g in gap_meta.items()}
     Path(out).mkdir(parents=True, exist_ok=True)
     live = load_live(src / "live_runs.json")
     meta = {**meta, "resimulated": {"from": str(src), "date": _dt.datetime.now().astimezone().isoformat(
