@@ -28,7 +28,7 @@ class PlannerOracle(PlanningPolicy):
 
     def __init__(self, acceptance: AcceptanceTruth, cost: StepCostModel, config: PolicyConfig | None = None,
                  *, confidence: ConfidenceTruth | None = None, margin: float = 0.9, headroom: float = 1.25,
-                 replan_s: float = 0.5, spread_z: float = 2.0, short_tokens: float = 64.0,
+                 replan_s: float = 0.5, spread_z: float = 1.0, short_tokens: float = 64.0,
                  demand_half_life_s: float = 4.0, clock: Clock = time.perf_counter) -> None:
         super().__init__(config, margin=margin, headroom=headroom, replan_s=replan_s, spread_z=spread_z,
                          short_tokens=short_tokens, demand_half_life_s=demand_half_life_s, clock=clock)

@@ -24,8 +24,9 @@ token budget). Its capacity ``theta*`` is the highest feasible load.
 
 Objective (the scenario's goodput: requests meeting every SLO, TTFT included): first the
 credit, each class's demand times the load it is served at within its TPOT target, counting
-capacity up to ``headroom`` times today's demand (TTFT waits grow without bound as theta*
-nears 1, and Poisson arrivals need slack) and falling steeply for a class whose target fails
+capacity up to ``headroom`` times today's demand as reserve at a quarter of the weight (TTFT
+waits grow without bound as theta* nears 1, and Poisson arrivals need slack, but a request
+served within its TPOT target is worth more than reserve) and falling steeply for a class whose target fails
 at the operating load; among assignments within 1% of the best credit (under light load, all
 that keep the targets), the most tokens per second from the batch as it is now, which is the
 throughput of a closed loop of clients and the same goodput for open arrivals. While requests
@@ -298,6 +299,12 @@ class Planner:
     max_num_seqs: int | None = None
     max_batched_tokens: int | None = None
     rounds: int = 3
+    # credit per unit of load held in reserve (above today's demand, up to ``headroom``), against
+    # 1 per unit of today's demand served within target: the reserve keeps TTFT waits short,
+    # but a plan that gives it up to keep a TPOT class within target serves more requests within
+    # their SLOs (at full weight the reserve of a large class without a TPOT target outweighed
+    # the target of a small class near the knee: issue #25)
+    reserve_weight: float = 0.25
     last_capacity: float = np.inf  # capacity / demand of the last plan's choice
 
     def plan(self, x: PlanInputs, cost, current: np.ndarray) -> np.ndarray:
@@ -330,7 +337,8 @@ class Planner:
         """The best row; row 0 (the plan in force) wins ties.
 
         First the credit: each class's demand times the load it is served at within its TPOT
-        target (today's demand, with capacity up to ``headroom`` more counted as reserve; while
+        target (today's demand, with capacity up to ``headroom`` more counted as reserve at
+        ``reserve_weight`` per unit; while
         requests queue, the assignment's capacity, since the replica then runs at it), falling
         as the fourth power of the shortfall for a class whose TPOT target fails there.
         Among assignments within ``TOLERANCE`` of the best credit (under light load, all that
@@ -346,7 +354,7 @@ class Planner:
             served = np.broadcast_to(op, cc.shape)
         else:  # at today's demand (1), with up to ``headroom`` more in reserve
             op = 1.0
-            served = np.minimum(cc, self.headroom)
+            served = np.minimum(cc, 1.0) + self.reserve_weight * np.clip(cc - 1.0, 0.0, self.headroom - 1.0)
         # a class whose TPOT target fails at the operating load misses it for most of its
         # requests, not for the share of load above its limit: credit falls steeply
         held = np.minimum(cc / np.maximum(op, 1e-9), 1.0) ** 4

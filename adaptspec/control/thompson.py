@@ -24,7 +24,7 @@ class ThompsonConfig:
     margin: float = 0.9  # keep predicted TPOT within margin * target
     # budget TPOT with the accepted length a short request (short_tokens) reaches at z
     # standard errors below the mean (see acceptance.tpot_length_curve); 0: the mean
-    spread_z: float = 2.0
+    spread_z: float = 1.0
     short_tokens: float = 64.0
     # every class's acceptance evidence (every drafter's) keeps half its weight beyond the
     # prior per this many seconds of steps (the steps' own durations: simulated time in the

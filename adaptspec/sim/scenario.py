@@ -254,7 +254,7 @@ class ThompsonSpec(_PolicyBase):
     discount: float = Field(0.995, gt=0, le=1, description="acceptance posterior discount per step of the drafter that ran it")
     cost_discount: float = Field(0.998, gt=0, le=1, description="cost-model discount per step")
     margin: float = Field(0.9, gt=0, le=1, description="keep predicted TPOT within margin x target")
-    spread_z: float = Field(2.0, ge=0, description="budget TPOT at z standard errors below a short request's mean accepted length")
+    spread_z: float = Field(1.0, ge=0, description="budget TPOT at z standard errors below a short request's mean accepted length")
     short_tokens: float = Field(64.0, gt=0, description="output tokens of the short request spread_z is taken for")
     fade_half_life_s: float | None = Field(
         60.0, gt=0, description="seconds of steps in which every drafter's acceptance evidence loses half its "
@@ -322,7 +322,7 @@ class HeuristicSpec(_PolicyBase):
 class OraclePlannerSpec(_PolicyBase):
     kind: Literal["oracle_planner"]
     margin: float = Field(0.9, gt=0, le=1, description="keep TPOT within margin x target")
-    spread_z: float = Field(2.0, ge=0, description="budget TPOT at z standard errors below a short request's mean accepted length")
+    spread_z: float = Field(1.0, ge=0, description="budget TPOT at z standard errors below a short request's mean accepted length")
     short_tokens: float = Field(64.0, gt=0, description="output tokens of the short request spread_z is taken for")
     headroom: float = Field(1.25, ge=1, description="capacity the plan seeks beyond the demand seen")
     replan_s: float = Field(0.5, gt=0, description="seconds of steps between plans")
