@@ -200,6 +200,9 @@ def test_full_queue_is_resource_exhausted_and_cancel_frees_slots(service):
     streams = [_long(client) for _ in range(MAX_NUM_SEQS + 2 * MAX_QUEUED)]
 
     def refused():  # a probe waiting in the proxy's queue times out: the queue is not full yet
+        # on a busy machine the proxy may take long enough to pass the calls on that the first
+        # streams end before the last arrive: keep the replica and the queue full
+        streams[:] = [s if not s.done() else _long(client) for s in streams]
         try:
             client.generate(prompt_token_ids=[1, 2], max_tokens=4, timeout=0.5)
         except grpc.RpcError as e:
