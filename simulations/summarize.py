@@ -155,7 +155,8 @@ def interactive_goal() -> tuple[list[str], bool]:
             ok = att(t) >= 0.99 and t["output_token_throughput"] >= meeting[best]["output_token_throughput"]
             ok_all &= ok
             out.append(f"| {seed} | {rate:g} | {100 * att(t):.1f}%, {t['output_token_throughput']:.0f} | "
-                       f"{best} ({meeting[best]['output_token_throughput']:.0f}) | {verdict(ok)} |")
+                       f"{best} ({meeting[best]['output_token_throughput']:.0f}; thompson "
+                       f"{t['output_token_throughput'] / meeting[best]['output_token_throughput']:.3f}x) | {verdict(ok)} |")
     return out, ok_all
 
 
