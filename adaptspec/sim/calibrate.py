@@ -31,7 +31,8 @@ class StepSample:
 def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_capacity_tokens: int,
                 max_batched_tokens: int, context_term: bool = True) -> ProfileFile:
     """Least squares: verify_s = table(verify_tokens) + c * context; draft_s / k per forward
-    at each batch size; n-gram seconds per request; overhead = median other_s.
+    at each batch size; n-gram seconds per request; overhead = median other_s of the decode
+    steps (a prefill sample's host time beyond it counts as its tokens' verify time).
 
     ``context_term=False`` fits the table alone (the median verify time at each token count,
     at the context the measured batches had). On the CPU a step's context grows with its
@@ -45,7 +46,14 @@ def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_c
     X = np.zeros((len(samples), levels.size + 1))
     X[np.arange(len(samples)), np.searchsorted(levels, tokens)] = 1.0
     X[:, -1] = [s.context_tokens for s in samples]
-    y = np.array([s.verify_s for s in samples])
+    # the fixed host seconds of a step: the decode steps' (a prefill step commits a whole prompt
+    # chunk, and the larger batches give many chunks: in the median they would set every step's
+    # overhead to a prefill step's)
+    decode = [s for s in samples if s.drafter != "prefill"] or samples
+    overhead = float(np.median([s.other_s for s in decode]))
+    # ... and what a prefill step spends beyond that goes with its tokens, into the table
+    y = np.array([s.verify_s + (max(s.other_s - overhead, 0.0) + s.draft_s if s.drafter == "prefill" else 0.0)
+                  for s in samples])
     coef, _, rank, _ = np.linalg.lstsq(X, y, rcond=None)
     ctx = float(coef[-1])
     # context and tokens moved together (rank-deficient: any split fits), or noise: the tokens alone
@@ -64,7 +72,7 @@ def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_c
         draft_batch=[float(b) for b in batches] or [1.0],
         draft_s=list(np.maximum.accumulate(draft_s)) if draft_s else [0.0],
         ngram_s_per_request=float(np.median(ngram)) if ngram else 0.0,
-        step_overhead_s=float(np.median([s.other_s for s in samples])),
+        step_overhead_s=overhead,
         kv_capacity_tokens=kv_capacity_tokens, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
         calibrated=True, notes=[f"measured by adaptspec calibrate from {len(samples)} steps"])
 
@@ -133,6 +141,30 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
     prof = fit_profile(samples, name=f"{target} + {draft or 'no draft'} on {device} ({dtype}), calibrated",
                        max_num_seqs=max_seqs, kv_capacity_tokens=kv, max_batched_tokens=max(prompt_tokens * max_seqs, 512),
                        context_term=context_term)
+    ProfileCostModel(prof).save(out)
+    return Path(out)
+
+
+def read_steps(path: str | Path) -> list[StepSample]:
+    """The raw measurements a calibration wrote (``<profile>.steps.csv``)."""
+    import csv
+
+    with open(path, newline="") as f:
+        return [StepSample(int(r["batch_size"]), r["drafter"], int(r["k"]), int(r["verify_tokens"]),
+                           int(r["context_tokens"]), float(r["verify_s"]), float(r["draft_s"]), float(r["other_s"]))
+                for r in csv.DictReader(f)]
+
+
+def refit(steps_csv: str | Path, out: str | Path, *, like: str | Path | None = None, context_term: bool = False) -> Path:
+    """A profile fitted again from a calibration's raw steps (a changed fit, no new
+    measurement); the limits and name of ``like`` (a profile JSON) when given."""
+    samples = read_steps(steps_csv)
+    base = ProfileCostModel.load(like).profile if like else None
+    prof = fit_profile(samples, name=(base.name if base else f"refit of {steps_csv}"),
+                       max_num_seqs=base.max_num_seqs if base else max(s.batch_size for s in samples),
+                       kv_capacity_tokens=base.kv_capacity_tokens if base else 1_000_000,
+                       max_batched_tokens=base.max_batched_tokens if base else 8192, context_term=context_term)
+    prof.notes.append(f"refitted from {Path(steps_csv).name}")
     ProfileCostModel(prof).save(out)
     return Path(out)
 

@@ -87,10 +87,21 @@ def register(app: typer.Typer) -> None:
         context_term: bool = typer.Option(True, "--context-term/--no-context-term",
                                           help="fit verify time per KV token read as well (off: a table "
                                                "over verify tokens alone, see fit_profile)"),
+        from_steps: Optional[Path] = typer.Option(None, help="measure nothing: fit the profile again from a "
+                                                             "calibration's raw steps (<profile>.steps.csv), with "
+                                                             "the limits of the profile beside it"),
     ) -> None:
         """Measure this machine's step costs with the live engine; write a profile JSON."""
-        from adaptspec.sim.calibrate import calibrate as run
+        from adaptspec.sim.calibrate import calibrate as run, refit
 
+        if from_steps is not None:
+            if not Path(from_steps).is_file():
+                typer.echo(f"error: --from-steps: {from_steps} is not a file", err=True)
+                raise typer.Exit(2)
+            like = Path(str(from_steps).removesuffix(".steps.csv") + ".json")
+            path = refit(from_steps, out, like=like if like.is_file() else None, context_term=context_term)
+            typer.echo(f"wrote {path}")
+            return
         try:
             path = run(out, target=target, draft=draft, dtype=dtype, device=device, repeats=repeats,
                        batch_sizes=tuple(int(x) for x in batch.split(",")), ks=tuple(int(x) for x in ks.split(",")),

@@ -45,7 +45,8 @@ def fidelity(
     rounds: int = typer.Option(1, help="live runs per level and policy, interleaved"),
     fresh: bool = typer.Option(False, "--fresh", help="start each run's policy afresh (live and simulated)"),
     max_tokens: int = typer.Option(64, help="max_tokens of every request"),
-    profile: Optional[str] = typer.Option(None, help="use this step-cost profile JSON instead of calibrating"),
+    profile: Optional[str] = typer.Option(None, help="use this step-cost profile JSON instead of calibrating "
+                                                     "(with --resimulate: instead of the run's)"),
     calibrate_repeats: int = typer.Option(3, help="timed steps per calibration point"),
     calibrate_batch: str = typer.Option("1,2,4,8,16", help="calibration batch sizes (up to the engine's KV slots)"),
     calibrate_ks: str = typer.Option("2,4,8", help="calibration k values"),
@@ -70,10 +71,13 @@ def fidelity(
 
     console = _console()
     if resimulate is not None:
+        if profile and not Path(profile).is_file():
+            raise ValueError(f"--profile: {profile} is not a file")
         if Path(resimulate).resolve() == Path(out).resolve():
             raise ValueError("--out: give another folder than --resimulate (its report stays as it was measured)")
         cells, goal_list, meta = resim(resimulate, out, console, config=config, host_gap=host_gap,
-                                       snapshots=snapshots, sim_seeds=sim_seeds if sim_seeds > 1 else None)
+                                       snapshots=snapshots, sim_seeds=sim_seeds if sim_seeds > 1 else None,
+                                       profile=profile)
         _report(console, cells, goal_list, meta, out)
         return
     levels = load_levels(concurrency, "", think_time=think_time, think=think, seed=arrival_seed) if concurrency else []

@@ -519,10 +519,12 @@ def load_live(path: Path) -> dict:
 
 
 def resimulate(src: Path, out: Path, console, *, config: str | None = None, host_gap: bool = True,
-               snapshots: bool = True, sim_seeds: int | None = None) -> tuple[list[Cell], list, dict]:
+               snapshots: bool = True, sim_seeds: int | None = None,
+               profile: str | None = None) -> tuple[list[Cell], list, dict]:
     """The simulated side again, against the live runs a fidelity run left in ``src``
     (``live_runs.json``, ``acceptance.json``, ``prompt_set.csv``, its profile): for a changed
-    simulator, without the live runs (and the quiet machine) they took."""
+    simulator, without the live runs (and the quiet machine) they took. ``profile``: another
+    step-cost profile (e.g. refitted from the run's calibration steps) than the run's."""
     from adaptspec.control.costs import ProfileCostModel
     from adaptspec.serve.config import load_config
     from adaptspec.serve.loadtest import Arrivals
@@ -544,16 +546,18 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
         levels.append(a if a.open or a.think_s else a.clients)
     opts = FidelityOptions(config=config, levels=levels, policies=list(meta["policies"]),
                            classes=list(meta["classes"]), max_tokens=meta["max_tokens"], duration_s=meta["duration_s"],
-                           warmup_s=meta["warmup_s"], rounds=meta["rounds"], profile=meta["profile"],
+                           warmup_s=meta["warmup_s"], rounds=meta["rounds"], profile=profile or meta["profile"],
                            sim_seeds=sim_seeds or meta["sim_seeds"], host_gap=host_gap, snapshots=snapshots,
                            out=Path(out))
+    if profile is not None:
+        meta = {**meta, "profile": str(profile), "profile_measured": meta["profile"]}
     profile = Path(meta["profile"])
     if not profile.is_file():
         profile = src / "profile.json"
     model = ProfileCostModel.load(profile)
     cost = ProfileCostModel(model.profile.model_copy(update=meta["sim_limits"]))
     recording = AcceptanceFile.load(src / "acceptance.json")
-    prompt_set = read_prompt_set(PromptSetSpec(path=str(src / "prompt_set.csv")), src,
+    prompt_set = read_prompt_set(PromptSetSpec(path="prompt_set.csv"), src,
                                  [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes])
     gap_meta = meta.get("host_gap_measured") or {}
     if "a_s" in gap_meta:  # one line for every policy (the first runs of this command)

@@ -60,6 +60,41 @@ def test_fit_profile_without_the_context_term_keeps_the_price_of_tokens():
     assert m.verify_s(16, 0) > m.verify_s(4, 0) + 0.01  # 12 more tokens are not free
 
 
+def test_prefill_steps_host_time_goes_with_their_tokens_not_into_every_steps_overhead(tmp_path):
+    """Decode steps: 1.4 ms of host work. Prefill chunks (as many samples as decode steps, as
+    the larger batches give): 9.5 ms, their prompts' host work. The overhead is the decode
+    steps' 1.4 ms; a prefill chunk's extra 8.1 ms joins its tokens' price. Control: with the
+    prefill samples in the median the overhead reads their 9.5 ms. Refitting the written
+    steps gives the same profile."""
+    samples = [StepSample(1, "none", 0, 1, 130, 0.017, 0.0, 0.0014) for _ in range(5)]
+    samples += [StepSample(b, "prefill", 0, 256, 256, 0.40, 0.0001, 0.0095) for b in (4, 8, 16) for _ in range(2)]
+    prof = fit_profile(samples, name="x", max_num_seqs=16, kv_capacity_tokens=1000, max_batched_tokens=256,
+                       context_term=False)
+    assert prof.step_overhead_s == pytest.approx(0.0014)
+    assert prof.verify_s[-1] == pytest.approx(0.40 + 0.0081 + 0.0001)
+    assert float(np.median([s.other_s for s in samples])) == pytest.approx(0.0095)  # the control
+    from adaptspec.sim.calibrate import refit
+
+    csv = tmp_path / "p.steps.csv"
+    csv.write_text("batch_size,drafter,k,verify_tokens,context_tokens,verify_s,draft_s,other_s\n" + "".join(
+        f"{x.batch_size},{x.drafter},{x.k},{x.verify_tokens},{x.context_tokens},{x.verify_s},{x.draft_s},{x.other_s}\n"
+        for x in samples))
+    ProfileCostModel(prof).save(tmp_path / "p.json")
+    again = ProfileCostModel.load(refit(csv, tmp_path / "q.json", like=tmp_path / "p.json")).profile
+    assert again.verify_s == prof.verify_s and again.step_overhead_s == prof.step_overhead_s
+    assert again.max_batched_tokens == 256 and again.notes[-1] == "refitted from p.steps.csv"
+    from typer.testing import CliRunner
+
+    from adaptspec.cli import app
+
+    res = CliRunner().invoke(app, ["calibrate", "--from-steps", str(csv), "--out", str(tmp_path / "r.json"),
+                                   "--no-context-term"])
+    assert res.exit_code == 0, res.output
+    assert ProfileCostModel.load(tmp_path / "r.json").profile.verify_s == prof.verify_s
+    bad = CliRunner().invoke(app, ["calibrate", "--from-steps", str(tmp_path / "nope.csv")])
+    assert bad.exit_code == 2 and "--from-steps" in bad.output
+
+
 def test_isotonic_fit_pools_a_slow_level_with_its_neighbours():
     from adaptspec.sim.calibrate import _isotonic
 
