@@ -60,11 +60,10 @@ def load_cost_prior(spec: str | None, *, target: str, dtype: str, device: str, d
         return None
     from adaptspec.control.gpu_profiles import BUILTIN, builtin_profile
 
-    if dtype == "auto":  # as the loader resolves it (models.dtype's default)
-        dtype = "bfloat16" if str(device).startswith("cuda") else "float32"
-
     if spec == "auto" or spec.startswith("auto:"):
         named = spec.partition(":")[2] or None
+        if dtype == "auto":  # models.dtype's default, as the loader resolves it: bfloat16 on a GPU
+            dtype = "bfloat16" if named or str(device).startswith("cuda") else "float32"
         if not named and target == "smollm2-135m" and device == "cpu" and dtype in ("float32", "bfloat16"):
             return measured_cpu_prior(dtype)
         if named or str(device).startswith("cuda"):
@@ -109,7 +108,6 @@ def matched_gpu_prior(target: str, draft: str | None, dtype: str, device: str, g
     from adaptspec.control.costs import ProfileCostModel
     from adaptspec.control.gpu_profiles import ModelShape, ProfileMismatch, match_gpu_profile
 
-    dtype = "bfloat16" if dtype == "auto" else dtype
     name, where = gpu_name, "controller.cost_profile"
     if not name and os.environ.get("ADAPTSPEC_GPU_NAME"):
         name, where = os.environ["ADAPTSPEC_GPU_NAME"], "ADAPTSPEC_GPU_NAME"
