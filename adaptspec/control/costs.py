@@ -12,11 +12,44 @@ Step = draft + verify + overhead, where
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class SpeedProbeRef(BaseModel):
+    """The calibration's speed probes (``adaptspec.sim.speed_probe``): median decode-step
+    seconds per batch size on its engine at the calibration's start and end. Their mean is the
+    reference a later probe of a live engine is divided by (its speed factor)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    batch_sizes: list[int] = Field(description="probed batch sizes (ascending)")
+    start_s: list[float] = Field(description="seconds of a decode step at each batch size, at the start")
+    end_s: list[float] = Field(description="... at the end")
+
+    @model_validator(mode="after")
+    def _check(self) -> "SpeedProbeRef":
+        n = len(self.batch_sizes)
+        if not n or len(self.start_s) != n or len(self.end_s) != n:
+            raise ValueError("probe: needs one start_s and one end_s per batch size")
+        if any(b <= a for a, b in zip(self.batch_sizes, self.batch_sizes[1:])) or self.batch_sizes[0] < 1:
+            raise ValueError("probe.batch_sizes: positive and strictly ascending")
+        if any(not x > 0 for x in self.start_s + self.end_s):
+            raise ValueError("probe: seconds must be > 0")
+        return self
+
+    def reference(self) -> dict[int, float]:
+        """{batch size: mean of the start and end probes}."""
+        return {b: (s + e) / 2 for b, s, e in zip(self.batch_sizes, self.start_s, self.end_s)}
+
+
+# the profile's seconds (and seconds per token/request): what a slower or faster machine scales
+TIME_FIELDS = ("verify_s", "verify_context_s_per_token", "draft_s", "draft_context_s_per_token",
+               "ngram_s_per_request", "step_overhead_s")
 
 
 class ProfileFile(BaseModel):
@@ -38,6 +71,19 @@ class ProfileFile(BaseModel):
     max_batched_tokens: int = Field(8192, gt=0, description="token budget of one step (chunked prefill)")
     calibrated: bool = Field(False, description="true when measured from the live engine")
     notes: list[str] = Field(default_factory=list, description="assumptions and provenance")
+    probe: SpeedProbeRef | None = Field(None, description="the calibration's speed probes (absent in older "
+                                                          "profiles)")
+
+    def scaled(self, factor: float) -> "ProfileFile":
+        """The same profile with every time field (``TIME_FIELDS``) times ``factor``: the
+        machine ``factor`` times slower (> 1) or faster; limits, token counts and notes as they were."""
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"scaled: factor must be a positive number, got {factor!r}")
+        update = {}
+        for name in TIME_FIELDS:
+            v = getattr(self, name)
+            update[name] = [x * factor for x in v] if isinstance(v, list) else v * factor
+        return self.model_copy(update=update)
 
     @model_validator(mode="after")
     def _check(self) -> "ProfileFile":
@@ -94,7 +140,10 @@ class ProfileCostModel:
             raise ValueError(f"profile {path}: {e}") from None
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.profile.model_dump(), indent=1))
+        data = self.profile.model_dump()
+        if data.get("probe") is None:  # a profile without probes reads as before
+            data.pop("probe", None)
+        Path(path).write_text(json.dumps(data, indent=1))
 
     def verify_s(self, verify_tokens, context_tokens: float):
         return np.interp(verify_tokens, self._vx, self._vy) + self.profile.verify_context_s_per_token * context_tokens

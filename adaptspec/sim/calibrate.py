@@ -80,12 +80,15 @@ def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_c
 def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: str, repeats: int,
               batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), ks: tuple[int, ...] = (1, 2, 4, 8),
               prompt_tokens: int = 128, context_term: bool = True, prefill: bool = False,
-              engine_options: dict | None = None) -> Path:
+              engine_options: dict | None = None, probe: bool = True) -> Path:
     """``prefill``: also keep each point's admission step (its prompts' prefill and whatever
     the engine runs with it) as a sample at its prefill + verify tokens, so the profile's
     token table reaches prompt-sized passes (the simulator prices a step's prompt chunks on
     the same table) instead of extrapolating the decode steps' slope. ``engine_options``: more
-    ``Engine.from_pretrained`` settings (a service's: token budget, block size, prefix cache)."""
+    ``Engine.from_pretrained`` settings (a service's: token budget, block size, prefix cache).
+    ``probe``: speed probes (``speed_probe``) of the engine at the start and the end, kept in
+    the profile as the reference a live engine's probes are compared with (the machine's speed
+    drifts between minutes; ``adaptspec fidelity`` scales the profile by live probe / this)."""
     try:
         from adaptspec import Engine, SamplingParams, SpecConfig
     except Exception as e:  # pragma: no cover - depends on the install
@@ -93,6 +96,12 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
     max_seqs = max(batch_sizes)
     engine = Engine.from_pretrained(target=target, draft=draft, dtype=dtype, device=device, max_num_seqs=max_seqs,
                                     **(engine_options or {}))
+    probes = []
+    if probe:
+        from adaptspec.sim.speed_probe import speed_probe
+
+        speed_probe(engine)  # untimed: a fresh engine's first passes are slow
+        probes.append(speed_probe(engine))
     rng = np.random.default_rng(0)
     vocab = int(engine.target.vocab_size)
     arms = [("none", 0)] + [("ngram", k) for k in ks] + ([("draft", k) for k in ks] if draft else [])
@@ -141,8 +150,23 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
     prof = fit_profile(samples, name=f"{target} + {draft or 'no draft'} on {device} ({dtype}), calibrated",
                        max_num_seqs=max_seqs, kv_capacity_tokens=kv, max_batched_tokens=max(prompt_tokens * max_seqs, 512),
                        context_term=context_term)
+    if probe:
+        probes.append(speed_probe(engine))
+        prof.probe = probe_ref(*probes)
+        ref = prof.probe
+        prof.notes.append("speed probe (decode step, ms, batch " + "/".join(map(str, ref.batch_sizes)) + "): start "
+                          + "/".join(f"{1e3 * x:.2f}" for x in ref.start_s) + ", end "
+                          + "/".join(f"{1e3 * x:.2f}" for x in ref.end_s))
     ProfileCostModel(prof).save(out)
     return Path(out)
+
+
+def probe_ref(start: dict[int, float], end: dict[int, float]):
+    """The profile's ``probe`` field from the probes at a calibration's start and end."""
+    from adaptspec.control.costs import SpeedProbeRef
+
+    b = sorted(set(start) & set(end))
+    return SpeedProbeRef(batch_sizes=b, start_s=[start[x] for x in b], end_s=[end[x] for x in b])
 
 
 def read_steps(path: str | Path) -> list[StepSample]:
@@ -164,6 +188,8 @@ def refit(steps_csv: str | Path, out: str | Path, *, like: str | Path | None = N
                        max_num_seqs=base.max_num_seqs if base else max(s.batch_size for s in samples),
                        kv_capacity_tokens=base.kv_capacity_tokens if base else 1_000_000,
                        max_batched_tokens=base.max_batched_tokens if base else 8192, context_term=context_term)
+    if base is not None and base.probe is not None:  # the same measurement: the same speed reference
+        prof.probe = base.probe
     prof.notes.append(f"refitted from {Path(steps_csv).name}")
     ProfileCostModel(prof).save(out)
     return Path(out)

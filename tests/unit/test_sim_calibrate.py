@@ -121,3 +121,98 @@ def test_calibration_times_decode_steps_of_a_batch_whose_prompts_take_several_st
     assert all(int(r["verify_tokens"]) >= 8 for r in decode if r["batch_size"] == "8")
     chunks = [r for r in rows if r["drafter"] == "prefill" and r["batch_size"] == "8"]
     assert len(chunks) >= 2 * 4  # each of the two points prefilled in four budgeted steps or more
+    probe = ProfileCostModel.load(out).profile.probe  # the speed reference, probed at the start and the end
+    assert probe is not None and probe.batch_sizes == [1, 8] and min(probe.start_s + probe.end_s) > 0
+    assert not any(r["drafter"] == "probe" for r in rows)  # the probes' steps are no samples
+
+
+# ---- speed probes and the profile's reference ---------------------------------------------------
+def _profile(**extra):
+    from adaptspec.control.costs import ProfileFile
+
+    return ProfileFile(name="p", verify_tokens=[1.0, 8.0], verify_s=[0.010, 0.020], verify_context_s_per_token=1e-6,
+                       draft_batch=[1.0, 4.0], draft_s=[0.002, 0.004], draft_context_s_per_token=2e-7,
+                       ngram_s_per_request=1e-4, step_overhead_s=0.0014, kv_capacity_tokens=4096, max_num_seqs=8,
+                       max_batched_tokens=256, calibrated=True, notes=["n"], **extra)
+
+
+def test_profile_scaled_multiplies_exactly_the_time_fields():
+    from adaptspec.control.costs import TIME_FIELDS, SpeedProbeRef
+
+    p = _profile(probe=SpeedProbeRef(batch_sizes=[1, 8], start_s=[0.01, 0.02], end_s=[0.012, 0.022]))
+    q = p.scaled(2.5)
+    a, b = p.model_dump(), q.model_dump()
+    assert set(TIME_FIELDS) == {"verify_s", "verify_context_s_per_token", "draft_s", "draft_context_s_per_token",
+                                "ngram_s_per_request", "step_overhead_s"}
+    for k in a:
+        if k in TIME_FIELDS:
+            want = [2.5 * x for x in a[k]] if isinstance(a[k], list) else 2.5 * a[k]
+            assert b[k] == pytest.approx(want), k
+            assert b[k] != a[k], k  # every time field is nonzero here: the check can fail
+        else:
+            assert b[k] == a[k], k  # limits, token counts, notes, the probe itself
+    m, m2 = ProfileCostModel(p), ProfileCostModel(q)
+    args = (12, 300.0, np.array([2.0, 1.0]), 3, 100.0)
+    assert m2.step(*args).wall_s == pytest.approx(2.5 * m.step(*args).wall_s)
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="factor"):
+            p.scaled(bad)
+
+
+def test_old_profiles_without_a_probe_still_load_and_new_ones_keep_it(tmp_path):
+    import json
+
+    from adaptspec.control.costs import SpeedProbeRef
+
+    old = _profile().model_dump()
+    old.pop("probe")
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    m = ProfileCostModel.load(tmp_path / "old.json")
+    assert m.profile.probe is None
+    m.save(tmp_path / "again.json")
+    assert "probe" not in json.loads((tmp_path / "again.json").read_text())  # as an older reader expects
+    ref = SpeedProbeRef(batch_sizes=[1, 8], start_s=[0.010, 0.030], end_s=[0.014, 0.034])
+    ProfileCostModel(_profile(probe=ref)).save(tmp_path / "new.json")
+    back = ProfileCostModel.load(tmp_path / "new.json").profile.probe
+    assert back == ref and back.reference() == pytest.approx({1: 0.012, 8: 0.032})
+    bad = {**old, "probe": {"batch_sizes": [1, 8], "start_s": [0.01], "end_s": [0.01, 0.02]}}
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="probe"):
+        ProfileCostModel.load(tmp_path / "bad.json")
+
+
+def test_speed_factor_is_the_geometric_mean_of_the_shared_batch_sizes_ratios():
+    import math
+
+    from adaptspec.sim.speed_probe import mean_probe, speed_factor, speed_ratios, summary
+
+    ref = {1: 0.010, 8: 0.040}
+    assert speed_ratios({1: 0.015, 8: 0.040, 16: 1.0}, ref) == pytest.approx({1: 1.5, 8: 1.0})
+    assert speed_factor({1: 0.020, 8: 0.020}, ref) == pytest.approx(1.0)  # 2 and 1/2 weigh alike
+    assert speed_factor({1: 0.020, 8: 0.080}, ref) == pytest.approx(2.0)
+    assert math.isnan(speed_factor({4: 0.02}, ref))
+    assert mean_probe({1: 0.01, 8: 0.03}, {1: 0.02}) == pytest.approx({1: 0.015, 8: 0.03})
+    assert summary([1.2, float("nan"), 0.9, 1.0]) == {"probed_runs": 3, "min": 0.9, "median": 1.0, "max": 1.2}
+
+
+def test_speed_probe_times_decode_steps_and_leaves_the_engine_idle_and_its_listeners_blind(tiny_dir):
+    from adaptspec import Engine, SamplingParams
+
+    from adaptspec.sim.speed_probe import speed_probe
+
+    eng = Engine.from_pretrained(target=str(tiny_dir), dtype="float32", device="cpu", max_num_seqs=4,
+                                 max_model_len=256, max_num_batched_tokens=64)
+    heard = []
+    eng.step_listeners.append(heard.append)
+    listeners = eng.step_listeners
+    got = speed_probe(eng, batch_sizes=(1, 8), steps=3)
+    assert set(got) == {1, 4}  # 8 requests do not fit 4 KV slots: the probe takes 4
+    assert all(s > 0 for s in got.values())
+    assert not eng.has_unfinished() and not eng.requests
+    assert eng.step_listeners is listeners and heard == []  # no load-test log saw the probe's steps
+    # the engine works as before, and its listeners hear it again
+    out = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=3, ignore_eos=True), raw=True)
+    assert len(out[0].token_ids) == 3 and heard
+    eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=3), raw=True)
+    with pytest.raises(ValueError, match="idle"):
+        speed_probe(eng)
