@@ -57,6 +57,9 @@ class Run:
     steps: int = 0  # engine steps that ended inside the window
     step_wall_s: float = 0.0  # their wall seconds
     busy_s: float = 0.0  # seconds of the window inside some step
+    # live: speed probes of the engine right before and after the run ({"before"/"after":
+    # {batch size: decode-step seconds}}, ``speed_probe``); None: not probed
+    probe: dict | None = None
 
     @property
     def seconds(self) -> float:

@@ -59,6 +59,11 @@ def fidelity(
     snapshots: bool = typer.Option(True, "--snapshots/--no-snapshots",
                                    help="simulated policies hand out arms by snapshot, refreshed every "
                                         "controller.report_interval_s as a live replica's (no: every step)"),
+    probe: bool = typer.Option(True, "--probe/--no-probe",
+                               help="speed-probe the live engine right before and after every run and simulate "
+                                    "the run on the profile's time costs times live probe / calibration probe "
+                                    "(the machine's speed drifts between minutes); with --resimulate: use the "
+                                    "probes on file"),
     resimulate: Optional[Path] = typer.Option(None, help="a folder a fidelity run wrote: simulate its live runs "
                                                          "again (a changed simulator) and report into --out; "
                                                          "runs nothing live (level and policy options are "
@@ -77,7 +82,7 @@ def fidelity(
             raise ValueError("--out: give another folder than --resimulate (its report stays as it was measured)")
         cells, goal_list, meta = resim(resimulate, out, console, config=config, host_gap=host_gap,
                                        snapshots=snapshots, sim_seeds=sim_seeds if sim_seeds > 1 else None,
-                                       profile=profile)
+                                       profile=profile, probe=probe)
         _report(console, cells, goal_list, meta, out)
         return
     levels = load_levels(concurrency, "", think_time=think_time, think=think, seed=arrival_seed) if concurrency else []
@@ -93,7 +98,8 @@ def fidelity(
                            calibrate_repeats=calibrate_repeats,
                            calibrate_batch=_ints(calibrate_batch, "--calibrate-batch"),
                            calibrate_ks=_ints(calibrate_ks, "--calibrate-ks"), sim_seeds=sim_seeds, grpc=grpc,
-                           torch_threads=torch_threads, host_gap=host_gap, snapshots=snapshots, out=out)
+                           torch_threads=torch_threads, host_gap=host_gap, snapshots=snapshots, probe=probe,
+                           out=out)
     if not opts.classes:
         raise ValueError("--classes: at least one class")
     if profile and not Path(profile).is_file():
@@ -128,6 +134,13 @@ def _report(console, cells, goal_list, meta, out: Path) -> None:
     for p, g in (meta.get("host_gap") or {"(none)": {}}).items():
         console.print(f"host time between steps, simulated ({p}): {1e3 * g.get('a_s', 0.0):.2f} ms + "
                       f"{1e3 * g.get('per_request_s', 0.0):.3f} ms per request in the step")
+    sp = meta.get("speed") or {}
+    if sp.get("probed_runs") and "median" in sp:
+        console.print(f"speed factor (live probe / calibration probe, > 1: the live engine was slower), "
+                      f"{sp['probed_runs']} runs: min {sp['min']:.3f}, median {sp['median']:.3f}, max {sp['max']:.3f}; "
+                      + ("applied to the simulated step costs per run" if sp.get("applied") else "not applied"))
+    if sp.get("calibration_drift") is not None:
+        console.print(f"calibration's own drift (end probe / start probe): {sp['calibration_drift']:.3f}")
     for n in meta["notes"]:
         console.print(f"note: {n}")
     png = plot(cells, out / "fidelity.png", title=f"simulated vs live, {meta['machine']}, {meta['date'][:10]}")

@@ -55,6 +55,7 @@ class FidelityOptions:
     sim_seeds: int = 1
     host_gap: bool = True  # simulate the host's time between engine steps as measured live
     snapshots: bool = True  # the simulated policy's arms from snapshots, as a live replica's
+    probe: bool = True  # speed-probe the live engine around each run; simulate it at that speed
     drain_s: float = 120.0
     grpc: bool = False
     torch_threads: int | None = None
@@ -177,19 +178,23 @@ class StepLog:
 
 
 def _live_levels(opts: FidelityOptions, spec, console, *, current, switch, run_one,
-                 step_log: StepLog | None = None) -> tuple[dict, list]:
+                 step_log: StepLog | None = None, probe=None) -> tuple[dict, list]:
     """Every (level, policy) run, interleaved as the load test does; returns
-    {(policy, level label): [Run]} and the load test's summaries."""
+    {(policy, level label): [Run]} and the load test's summaries. ``probe()``: a speed probe
+    of the (idle) engine, taken right before and right after every run (``Run.probe``)."""
     from adaptspec.serve.cli import _interleaved_levels
     from adaptspec.serve.loadtest import as_arrivals
 
     runs: dict[tuple[str, str], list[Run]] = {}
 
     def capture(n):
-        got, window = run_one(n)
+        before = probe() if probe is not None else None
+        got, window = run_one(n)  # returns with the engine idle: what is still running is aborted
+        after = probe() if probe is not None else None
         steps = step_log.inside(window.start_s, window.end_s) if step_log is not None else (0, 0.0, 0.0)
         runs.setdefault((current(), as_arrivals(n).label), []).append(
-            Run(rows_from_records(got), (window.start_s, window.end_s), *steps))
+            Run(rows_from_records(got), (window.start_s, window.end_s), *steps,
+                probe=None if probe is None else {"before": before, "after": after}))
         if step_log is not None:
             step_log.clear(current())
         return got, window
@@ -226,11 +231,15 @@ def _sim_level(level) -> SimLevel:
 
 
 def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_set, console=None,
-                 host_gap: dict | None = None) -> dict:
+                 host_gap: dict | None = None, speed: dict | None = None) -> dict:
     """{(policy, level label): ([Run], {class: {arm: steps}})}: every (level, policy) as the
     live run had them, ``rounds`` runs each (an adaptive policy carries what it learned from
     run to run unless ``fresh``, as the live controller does), for each of ``sim_seeds``
-    seeds. ``host_gap``: {policy: (a, b)}, ``"*"`` for any other policy (``host_gaps``)."""
+    seeds. ``host_gap``: {policy: (a, b)}, ``"*"`` for any other policy (``host_gaps``).
+    ``speed``: {(policy, level label): [speed factor of each live run]} (``speed_factors``):
+    round r is simulated on ``cost``'s time costs times live run r's factor (a run without
+    one: the mean of the others'; none at all: 1)."""
+    from adaptspec.control.costs import ProfileCostModel
     from adaptspec.control import ClassTarget
     from adaptspec.serve.loadtest import as_arrivals
     from adaptspec.serve.policies import load_cost_prior, make_policy
@@ -248,9 +257,14 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
             lv.arrivals_s = arr.times(opts.warmup_s + opts.duration_s)  # the live run's arrival times
         for name in opts.policies:
             gap = (host_gap or {}).get(name, (host_gap or {}).get("*", (0.0, 0.0)))
+            factors = list((speed or {}).get((name, arr.label), []))
+            known = [f for f in factors if math.isfinite(f) and f > 0]
+            fallback = float(np.mean(known)) if known else 1.0
             runs, arms = [], {}
             for seed in range(opts.sim_seeds):
                 for r in range(opts.rounds):
+                    f = factors[r] if r < len(factors) and math.isfinite(factors[r]) and factors[r] > 0 else fallback
+                    run_cost = cost if f == 1.0 else ProfileCostModel(cost.profile.scaled(f))
                     key = (name, seed)
                     if opts.fresh or key not in policies:
                         policies[key] = make_policy(name, drafters=cfg.drafters, max_k=cfg.controller.max_k,
@@ -259,7 +273,7 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
                         if opts.snapshots:
                             policies[key] = SnapshotPolicy(policies[key], list(opts.classes),
                                                            cfg.controller.report_interval_s, gap)
-                    run, steps = simulate_level(lv, policy=policies[key], cost=cost, truths=truths,
+                    run, steps = simulate_level(lv, policy=policies[key], cost=run_cost, truths=truths,
                                                 classes=class_specs, prompt_set=prompt_set, warmup_s=opts.warmup_s,
                                                 duration_s=opts.duration_s, drain_s=opts.drain_s,
                                                 max_k=cfg.controller.max_k, seed=seed * 1000 + r, host_gap=gap)
@@ -397,11 +411,19 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     recorder, step_log = AcceptanceRecorder(), StepLog(svc.engine)
     svc.engine.step_listeners.insert(0, step_log)
     svc.engine.step_listeners.append(recorder.observe_step)
+    probe = None
+    if opts.probe:
+        from adaptspec.sim.speed_probe import speed_probe
+
+        speed_probe(svc.engine)  # untimed: a fresh engine's first passes are slow
+
+        def probe():
+            return speed_probe(svc.engine)
     live = {"in-process": _live_levels(opts, spec, console, current=svc.policy,
                                        switch=lambda p, reset: svc.update_policy(p, reset=reset),
                                        run_one=lambda n: svc.run_level(n, opts.duration_s, spec,
                                                                        warmup_s=opts.warmup_s),
-                                       step_log=step_log)}
+                                       step_log=step_log, probe=probe)}
     recording = recorder.to_file(f"{cfg.models.target} + {cfg.models.draft or 'no draft'} ({cfg.models.dtype}, "
                                  f"{cfg.models.device}), {started:%Y-%m-%d %H:%M %Z}, {recorder.steps} steps")
     recording.save(out / "acceptance.json")
@@ -417,7 +439,7 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     if opts.grpc:
         del svc  # the service's replica gets the CPU to itself
         live["grpc"] = _grpc_levels(cfg, opts, spec, console)
-    save_live(out / "live_runs.json", {p: runs for p, (runs, _) in live.items()})
+    save_live(out / "live_runs.json", {p: runs for p, (runs, _) in live.items()}, cost.profile)
     meta = {
         "date": started.isoformat(timespec="seconds"), "machine": machine(), "code": code_version(),
         "config": opts.config or "(embedded default)",
@@ -450,6 +472,55 @@ def host_gaps(gaps: dict[str, list[tuple[int, float]]]) -> dict[str, tuple[float
     return out
 
 
+def speed_factors(live: dict, profile, enabled: bool = True) -> tuple[dict, dict, list[str]]:
+    """How fast the live engine ran each run against the calibration: {(policy, level label):
+    [speed factor per run, in round order]} (``speed_factor`` of the mean of the run's probes
+    before and after against the profile's reference, the mean of the calibration's start and
+    end probes), the meta's ``speed`` entry (every run's probes and factor, min / median /
+    max) and notes. ``live``: {path: {(policy, level): [Run]}}; the first path with probes
+    gives the factors (the gRPC path's engine runs in another process: its cells are
+    compared with the simulation at the in-process runs' speeds). Nothing to go by (disabled,
+    no probes on file, a profile without a probe): no factors, i.e. factor 1."""
+    from adaptspec.sim.speed_probe import mean_probe, probe_to_json, speed_factor, speed_ratios, summary
+
+    ref_file = getattr(profile, "probe", None)
+    ref = ref_file.reference() if ref_file is not None else None
+    meta: dict = {"applied": False, "reference_s": probe_to_json(ref), "per_run": []}
+    if ref_file is not None:
+        start = dict(zip(ref_file.batch_sizes, ref_file.start_s))
+        end = dict(zip(ref_file.batch_sizes, ref_file.end_s))
+        meta["calibration_start_s"], meta["calibration_end_s"] = probe_to_json(start), probe_to_json(end)
+        meta["calibration_drift"] = speed_factor(end, start)  # end / start: the calibration's own drift
+    if not enabled:
+        return {}, meta, ["speed probes off (--no-probe): every run simulated at the calibration's speed"]
+    if ref is None:
+        return {}, meta, ["the profile has no speed probe (calibrated before probes were taken): every run "
+                          "simulated at the calibration's speed (factor 1)"]
+    probed = next((runs for runs in live.values() if any(r.probe for rs in runs.values() for r in rs)), None)
+    if probed is None:
+        return {}, meta, ["the live runs have no speed probes (measured before probes were taken): every run "
+                          "simulated at the calibration's speed (factor 1)"]
+    factors: dict = {}
+    for (policy, level), rs in probed.items():
+        fs = []
+        for i, r in enumerate(rs):
+            if not r.probe:
+                fs.append(math.nan)
+                continue
+            now = mean_probe(r.probe["before"], r.probe["after"])
+            f = speed_factor(now, ref)
+            fs.append(f)
+            meta["per_run"].append({"policy": policy, "level": level, "round": i,
+                                    "before_s": probe_to_json(r.probe["before"]),
+                                    "after_s": probe_to_json(r.probe["after"]),
+                                    "ratio_by_batch": probe_to_json(speed_ratios(now, ref)),
+                                    "factor": None if math.isnan(f) else f})
+        factors[(policy, level)] = fs
+    meta.update(summary([f for fs in factors.values() for f in fs]))
+    meta["applied"] = True
+    return factors, meta, []
+
+
 def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recording, prompt_set, cost,
                         gap: dict, meta: dict, console) -> tuple[list[Cell], list, dict]:
     """The simulated side of every (level, policy) and the comparison: ``fidelity.json``,
@@ -461,12 +532,15 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     truths, notes = truths_from_recording(recording, list(opts.classes), cfg.drafters)
     class_specs = [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes]
     used_gap = gap if opts.host_gap else {}
-    sim = simulate_all(cfg, opts, cost, truths, class_specs, prompt_set, host_gap=used_gap)
+    speed, speed_meta, speed_notes = speed_factors(live, cost.profile, opts.probe)
+    notes = [*notes, *speed_notes]
+    sim = simulate_all(cfg, opts, cost, truths, class_specs, prompt_set, host_gap=used_gap, speed=speed)
     cells = []
     for path, runs in live.items():
         cells += compare(path, runs, sim, list(opts.classes))
     goal_list = goals(cells)
-    meta = {**meta, "notes": notes, "host_gap": {p: {"a_s": a, "per_request_s": b} for p, (a, b) in used_gap.items()},
+    meta = {**meta, "notes": notes, "speed": speed_meta,
+            "host_gap": {p: {"a_s": a, "per_request_s": b} for p, (a, b) in used_gap.items()},
             "sim_snapshots_s": cfg.controller.report_interval_s if opts.snapshots else None}
     (out / "fidelity.json").write_text(to_json(cells, goal_list, meta))
     (out / "scenario.yaml").write_text(yaml.safe_dump(scenario_yaml(opts, cfg, str(Path(meta["profile"]).resolve()),
@@ -476,11 +550,16 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
 
 
 # ---- the live runs on file: simulate them again (a changed model) without running them again ---
-def save_live(path: Path, live: dict) -> None:
+def save_live(path: Path, live: dict, profile=None) -> None:
     """{path: {(policy, level): [Run]}} as JSON. A row keeps what the comparison reads; its
     token chunks become one chunk of the tokens that arrived inside its run's window (all
-    that ``tokens_in_window`` needs for that window)."""
+    that ``tokens_in_window`` needs for that window). A probed run keeps its speed probes, and
+    for the reader its speed factor against ``profile``'s probe (a resimulation computes it
+    again against the profile it uses)."""
     from adaptspec.sim.fidelity import tokens_in_window
+    from adaptspec.sim.speed_probe import mean_probe, probe_to_json, speed_factor
+
+    ref = profile.probe.reference() if profile is not None and profile.probe is not None else None
 
     data = {}
     for p, runs in live.items():
@@ -490,8 +569,14 @@ def save_live(path: Path, live: dict) -> None:
                 w0, w1 = run.window
                 rows = [[r.request_class, r.start_s, r.first_token_s, r.end_s, r.tokens, r.cut, r.error,
                          tokens_in_window(r, w0, w1), r.prompt_index, r.arms, r.cached_tokens] for r in run.rows]
-                data[p].append({"policy": policy, "level": level, "window": [w0, w1], "steps": run.steps,
-                                "step_wall_s": run.step_wall_s, "busy_s": run.busy_s, "rows": rows})
+                item = {"policy": policy, "level": level, "window": [w0, w1], "steps": run.steps,
+                        "step_wall_s": run.step_wall_s, "busy_s": run.busy_s, "rows": rows}
+                if run.probe:
+                    item["probe"] = {k: probe_to_json(v) for k, v in run.probe.items()}
+                    if ref is not None:
+                        f = speed_factor(mean_probe(run.probe["before"], run.probe["after"]), ref)
+                        item["speed_factor"] = None if math.isnan(f) else f
+                data[p].append(item)
 
     def clean(x):
         return None if isinstance(x, float) and math.isnan(x) else x
@@ -499,10 +584,13 @@ def save_live(path: Path, live: dict) -> None:
     for runs in data.values():
         for run in runs:
             run["rows"] = [[clean(v) for v in row] for row in run["rows"]]
-    path.write_text(json.dumps({"version": 1, "live": data}, separators=(",", ":")))
+    path.write_text(json.dumps({"version": 2, "live": data}, separators=(",", ":")))
 
 
 def load_live(path: Path) -> dict:
+    """``save_live``'s file; version 1 (no speed probes) too."""
+    from adaptspec.sim.speed_probe import probe_from_json
+
     data = json.loads(Path(path).read_text())
     nan = math.nan
     out: dict = {}
@@ -514,17 +602,20 @@ def load_live(path: Path) -> dict:
                         [(w0, in_window)], idx, dict(arms), cached)
                     for c, start, first, end, tokens, cut, error, in_window, idx, arms, cached in run["rows"]]
             per.setdefault((run["policy"], run["level"]), []).append(
-                Run(rows, (w0, w1), run["steps"], run["step_wall_s"], run["busy_s"]))
+                Run(rows, (w0, w1), run["steps"], run["step_wall_s"], run["busy_s"],
+                    probe={k: probe_from_json(v) for k, v in run["probe"].items()} if run.get("probe") else None))
     return out
 
 
 def resimulate(src: Path, out: Path, console, *, config: str | None = None, host_gap: bool = True,
                snapshots: bool = True, sim_seeds: int | None = None,
-               profile: str | None = None) -> tuple[list[Cell], list, dict]:
+               profile: str | None = None, probe: bool = True) -> tuple[list[Cell], list, dict]:
     """The simulated side again, against the live runs a fidelity run left in ``src``
     (``live_runs.json``, ``acceptance.json``, ``prompt_set.csv``, its profile): for a changed
     simulator, without the live runs (and the quiet machine) they took. ``profile``: another
-    step-cost profile (e.g. refitted from the run's calibration steps) than the run's."""
+    step-cost profile (e.g. refitted from the run's calibration steps) than the run's.
+    ``probe``: simulate each run at the speed its probes on file say, against the profile's
+    probe (none on file, or a profile without one: factor 1, and a note says so)."""
     from adaptspec.control.costs import ProfileCostModel
     from adaptspec.serve.config import load_config
     from adaptspec.serve.loadtest import Arrivals
@@ -548,7 +639,7 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
                            classes=list(meta["classes"]), max_tokens=meta["max_tokens"], duration_s=meta["duration_s"],
                            warmup_s=meta["warmup_s"], rounds=meta["rounds"], profile=profile or meta["profile"],
                            sim_seeds=sim_seeds or meta["sim_seeds"], host_gap=host_gap, snapshots=snapshots,
-                           out=Path(out))
+                           probe=probe, out=Path(out))
     if profile is not None:
         meta = {**meta, "profile": str(profile), "profile_measured": meta["profile"]}
     profile = Path(meta["profile"])

@@ -388,6 +388,21 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
         assert c["live"] == before[key(c)]
     bad = CliRunner().invoke(app, ["fidelity", "--resimulate", str(tmp_path), "--out", str(tmp_path / "x")])
     assert bad.exit_code != 0 and "--resimulate" in bad.output
+    # speed probes: every live run probed before and after, a factor per run against the
+    # calibration's probe, applied; the resimulation takes the probes on file; --no-probe does not
+    speed = data["meta"]["speed"]
+    assert speed["applied"] and speed["probed_runs"] == len(speed["per_run"]) == 4
+    assert all(r["factor"] > 0 and set(r["before_s"]) == set(r["after_s"]) for r in speed["per_run"])
+    assert speed["min"] <= speed["median"] <= speed["max"] and "speed factor" in res.output
+    assert redo["meta"]["speed"]["per_run"] == speed["per_run"]
+    saved = json.loads((out / "live_runs.json").read_text())
+    assert saved["version"] == 2 and all(r["probe"]["before"] and r["speed_factor"] > 0
+                                         for r in saved["live"]["in-process"])
+    res = CliRunner().invoke(app, ["fidelity", "--config", str(cfg), "--resimulate", str(out), "--out",
+                                   str(tmp_path / "noprobe"), "--no-probe"])
+    assert res.exit_code == 0, res.output
+    off = json.loads((tmp_path / "noprobe" / "fidelity.json").read_text())["meta"]
+    assert not off["speed"]["applied"] and any("--no-probe" in n for n in off["notes"])
 
 
 def test_host_gap_fit_and_its_fallbacks():
@@ -520,3 +535,78 @@ def test_grpc_load_generator_sends_open_loop_arrivals_on_time_and_clients_think(
     recs, _ = run_level(client, Arrivals(clients=2, think_s=0.2), 0.5, spec)
     # each client: a 40 ms request, then 0.2 s of thinking: at most 3 requests each in 0.5 s
     assert 2 <= len(client.sent) <= 6
+
+
+# ---- speed probes on the simulated side -------------------------------------------------------------
+def _speed_setup(rounds: int):
+    from adaptspec.control.costs import ProfileCostModel, ProfileFile
+    from adaptspec.serve.config import load_config
+    from adaptspec.sim.acceptance import BernoulliAcceptance
+    from adaptspec.sim.closed_loop import PromptSet
+    from adaptspec.sim.fidelity_run import FidelityOptions
+    from adaptspec.sim.replica import ClassTruth
+    from adaptspec.sim.scenario import ClassSpec
+
+    cfg = load_config(None)
+    opts = FidelityOptions(levels=[1], policies=["static:none:0"], classes=["chat"], duration_s=20.0, warmup_s=2.0,
+                           rounds=rounds, drain_s=5.0)
+    cost = ProfileCostModel(ProfileFile(name="t", verify_tokens=[1.0, 64.0], verify_s=[0.010, 0.040],
+                                        step_overhead_s=0.001, max_num_seqs=16, max_batched_tokens=256))
+    truths = [ClassTruth("chat", {d: BernoulliAcceptance(0.0) for d in cfg.drafters})]
+    specs = [ClassSpec(name="chat", acceptance={"ngram": {"bernoulli": 0.0}})]
+    prompts = PromptSet([np.array([40, 60])], [np.array([30, 50])])
+    return cfg, opts, cost, truths, specs, prompts
+
+
+def test_a_speed_factor_of_two_halves_a_static_policys_simulated_throughput():
+    """Round 0 at factor 1, round 1 at factor 2 (per run, as the live probes said): every step
+    costs twice as much in round 1, so one client gets half the tokens per second (window
+    edges: a request's worth). Control: no factors on file simulates both rounds alike."""
+    from adaptspec.sim.fidelity_run import simulate_all
+
+    cfg, opts, cost, truths, specs, prompts = _speed_setup(rounds=2)
+    key = ("static:none:0", "c=1")
+    runs, _ = simulate_all(cfg, opts, cost, truths, specs, prompts, speed={key: [1.0, 2.0]})[key]
+    tput = [side_metrics([r], None).throughput for r in runs]
+    assert tput[0] > 0 and tput[1] / tput[0] == pytest.approx(0.5, rel=0.03)
+    plain, _ = simulate_all(cfg, opts, cost, truths, specs, prompts)[key]
+    base = [side_metrics([r], None).throughput for r in plain]
+    assert base[0] == pytest.approx(tput[0]) and base[1] / base[0] == pytest.approx(1.0, rel=0.03)
+    # a run without a factor takes the mean of the others' (here 2: both rounds at half speed)
+    half, _ = simulate_all(cfg, opts, cost, truths, specs, prompts, speed={key: [float("nan"), 2.0]})[key]
+    assert side_metrics([half[0]], None).throughput == pytest.approx(tput[1])
+
+
+def test_speed_factors_from_probes_and_old_live_files_without_them(tmp_path):
+    """The factor of a run is (mean of its probes before and after) / the calibration's
+    reference, geometric mean over batch sizes; a version-1 live file (no probes) still loads,
+    and then, as with a profile that has no probe, no factor is applied and a note says why."""
+    from adaptspec.control.costs import SpeedProbeRef
+    from adaptspec.sim.fidelity_run import load_live, save_live, speed_factors
+
+    _, _, cost, *_ = _speed_setup(rounds=1)
+    prof = cost.profile.model_copy(update={"probe": SpeedProbeRef(batch_sizes=[1, 8], start_s=[0.010, 0.030],
+                                                                   end_s=[0.014, 0.034])})
+    run = Run(_rows(0.1, 0.02, 3), (0.0, 10.0), probe={"before": {1: 0.018, 8: 0.060}, "after": {1: 0.018, 8: 0.068}})
+    live = {"in-process": {("static:none:0", "c=1"): [run]}}
+    factors, meta, notes = speed_factors(live, prof)
+    want = math.sqrt((0.018 / 0.012) * (0.064 / 0.032))  # 1.5 at batch 1, 2.0 at batch 8
+    assert factors[("static:none:0", "c=1")] == [pytest.approx(want)] and notes == []
+    assert meta["applied"] and meta["median"] == pytest.approx(want)
+    assert meta["calibration_drift"] == pytest.approx(math.sqrt(1.4 * 34 / 30))
+    save_live(tmp_path / "live.json", live, prof)
+    back = load_live(tmp_path / "live.json")["in-process"][("static:none:0", "c=1")][0]
+    assert back.probe == run.probe
+    assert json.loads((tmp_path / "live.json").read_text())["live"]["in-process"][0]["speed_factor"] == \
+        pytest.approx(want)
+    # a version-1 file, as the runs before probes wrote it
+    old = {"version": 1, "live": {"in-process": [{"policy": "static:none:0", "level": "c=1", "window": [0.0, 10.0],
+                                                  "steps": 3, "step_wall_s": 0.1, "busy_s": 0.1,
+                                                  "rows": [["chat", 0.0, 0.1, 1.0, 5, False, False, 5, 0, {}, 0]]}]}}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    runs = load_live(tmp_path / "old.json")
+    assert runs["in-process"][("static:none:0", "c=1")][0].probe is None
+    factors, meta, notes = speed_factors(runs, prof)
+    assert factors == {} and not meta["applied"] and "no speed probes" in notes[0]
+    factors, meta, notes = speed_factors(live, cost.profile)  # a profile calibrated before probes
+    assert factors == {} and "no speed probe" in notes[0]
