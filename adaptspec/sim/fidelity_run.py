@@ -418,7 +418,12 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
         speed_probe(svc.engine)  # untimed: a fresh engine's first passes are slow
 
         def probe():
-            return speed_probe(svc.engine)
+            try:
+                return speed_probe(svc.engine)
+            except Exception as e:  # a failed probe costs that run its factor, not the measurement
+                console.print(f"[yellow]speed probe failed ({e}); this run takes its level's other runs' "
+                              "factor[/yellow]")
+                return None
     live = {"in-process": _live_levels(opts, spec, console, current=svc.policy,
                                        switch=lambda p, reset: svc.update_policy(p, reset=reset),
                                        run_one=lambda n: svc.run_level(n, opts.duration_s, spec,

@@ -56,11 +56,11 @@ def speed_probe(engine, batch_sizes: tuple[int, ...] = PROBE_BATCHES, steps: int
         for b in batches:
             seen.clear()
             prefill_steps = -(-b * prompt_tokens // budget) + 1
-            params = SamplingParams(max_new_tokens=prefill_steps + steps + 4, ignore_eos=True, seed=0)
+            params = SamplingParams(max_new_tokens=prefill_steps + steps + 8, ignore_eos=True, seed=0)
             ids = [engine.add_request(p, params, SpecConfig("none", 0), raw=True)
                    for p in _prompts(b, prompt_tokens, int(engine.target.vocab_size))]
             try:
-                for _ in range(prefill_steps + steps + 2):
+                for _ in range(prefill_steps + steps + 6):
                     engine.step()
                     if len([s for s in seen if s.batch_size == b and not s.prefill_tokens]) > steps:
                         break
