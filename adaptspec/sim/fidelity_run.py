@@ -239,8 +239,8 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
     ``speed``: {(policy, level label): [speed factor of each live run]} (``speed_factors``):
     round r is simulated on ``cost``'s time costs times live run r's factor (a run without
     one: the mean of the others'; none at all: 1)."""
-    from adaptspec.control.costs import ProfileCostModel
     from adaptspec.control import ClassTarget
+    from adaptspec.control.costs import ProfileCostModel
     from adaptspec.serve.loadtest import as_arrivals
     from adaptspec.serve.policies import load_cost_prior, make_policy
 
