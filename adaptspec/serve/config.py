@@ -77,6 +77,14 @@ class EngineOptions(_Strict):
     kv_cache_memory: float | None = Field(
         None, gt=0, description="KV pool size per replica: bytes (> 1) or a fraction of free GPU memory (<= 1); "
                                 "null: room for max_num_seqs requests of max_model_len")
+    cuda_graphs: bool | None = Field(
+        None, description="replay decode and verification steps (no prompt chunk) as CUDA graphs of the target's "
+                          "forward, one per token-count bucket: a step's kernel launches cost one replay; null: on "
+                          "for CUDA with the Triton attention backend, off on the CPU; true where they cannot be "
+                          "captured is an error at start-up")
+    cuda_graph_max_tokens: int = Field(
+        512, ge=1, description="largest step (tokens through the target) replayed as a CUDA graph; larger steps run "
+                               "eagerly (capped at max_num_batched_tokens; every bucket up to it holds graph memory)")
     torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; null: num_cpus of the replica")
     stall_timeout_s: float = Field(300.0, gt=0, description="an engine step (or a drafter call inside it) that has "
                                    "not returned after this long while requests wait: the engine counts as gone "
@@ -156,6 +164,11 @@ class ControllerOptions(_Strict):
         60.0, gt=0, description="thompson: seconds of engine steps in which every drafter's acceptance evidence "
                                 "loses half its weight, so a drafter that lost is tried again when it may have "
                                 "improved; null: only the drafter that ran is discounted (never retried)")
+    niceness: int = Field(
+        10, ge=0, le=19, description="CPU niceness of the controller's process (0: unchanged): its bursts of work "
+                                     "(reports, plans, checkpoints) then wait for the engine's idle moments instead "
+                                     "of taking a core from one of the engine's threads, which stalls every thread "
+                                     "of a CPU step")
     checkpoint: str | None = Field(
         "ray", description="where the controller keeps what its policies learned, so a restarted controller "
                            "resumes it: `ray` (Ray's GCS key-value store: survives a controller restart, and a "

@@ -264,6 +264,37 @@ class CheckpointStore:
         os.replace(tmp, path)
 
 
+def lower_priority(niceness: int) -> int | None:
+    """Put every thread of this process at least ``niceness`` below normal CPU priority;
+    returns the niceness now in force (None where it cannot be read or set).
+
+    Why: on a CPU replica the engine's matrix products run on every core in lock step
+    (OpenMP), so any other process that takes a core from one of its threads for a
+    scheduler slice stalls the whole step; the controller's bursts of work (a report's steps,
+    a plan, a checkpoint) did exactly that next to the engine. At a lower priority the
+    scheduler runs them in the engine's idle moments instead. Linux applies niceness per
+    thread, so it is set for each thread there is (threads started later inherit it)."""
+    if niceness <= 0:
+        return None
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:  # not Linux: the process's priority
+        tids = [0]
+    now = None
+    for tid in tids:
+        try:
+            cur = os.getpriority(os.PRIO_PROCESS, tid)
+            if cur < niceness:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
+            now = max(cur, niceness) if now is None else min(now, max(cur, niceness))
+        except (OSError, AttributeError) as exc:  # a thread that ended meanwhile; no setpriority here
+            log.debug("controller: cannot lower the priority of thread %s: %s", tid, exc)
+    if now is None:
+        log.warning("controller.niceness: could not lower this process's CPU priority; its work may stall the "
+                    "engine on a shared CPU node")
+    return now
+
+
 @serve.deployment(name="Controller", num_replicas=1, ray_actor_options={"num_cpus": 0})
 class Controller:
     """One controller for every target replica (each sends its reports here and runs on the
@@ -273,6 +304,7 @@ class Controller:
 
     async def __init__(self, config: dict):
         cfg = ServiceConfig.model_validate(config)
+        lower_priority(cfg.controller.niceness)
         self.core = ControlCore(cfg)
         self.store = CheckpointStore(cfg.controller.checkpoint, cfg.app_name) if cfg.controller.checkpoint else None
         self._saved_version = -1

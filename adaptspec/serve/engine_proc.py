@@ -60,7 +60,9 @@ def build_engine(cfg: ServiceConfig, *, target: str | None = None, torch_threads
                                   max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
                                   block_size=cfg.engine.block_size,
                                   enable_prefix_caching=cfg.engine.enable_prefix_caching,
-                                  kv_cache_memory=cfg.engine.kv_cache_memory)
+                                  kv_cache_memory=cfg.engine.kv_cache_memory,
+                                  cuda_graphs=cfg.engine.cuda_graphs,
+                                  cuda_graph_max_tokens=cfg.engine.cuda_graph_max_tokens)
 
 
 def warn_slow_bf16(cfg: ServiceConfig) -> None:

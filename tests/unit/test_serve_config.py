@@ -142,3 +142,24 @@ def test_every_ray_container_gets_the_request_path_settings(profile):
             env = {e["name"]: e.get("value") for e in container.get("env", [])}  # secrets: valueFrom
             assert env == {**env, **SERVE_LATENCY_ENV}, container["name"]
     assert SERVE_LATENCY_ENV["RAY_SERVE_PROXY_USE_GRPC"] == "1"
+
+
+def test_the_engine_cuda_graph_settings_reach_the_replicas_engine(tiny_dir):
+    """engine.cuda_graphs / cuda_graph_max_tokens are passed to the engine a replica builds
+    (on the CPU, ``true`` runs the padded static-buffer path without capturing)."""
+    from adaptspec.serve.engine_proc import build_engine
+
+    cfg = ServiceConfig.model_validate({"models": {"target": str(tiny_dir), "draft": None},
+                                        "engine": {"max_num_seqs": 2, "max_model_len": 64, "cuda_graphs": True,
+                                                   "cuda_graph_max_tokens": 16}})
+    engine = build_engine(cfg, torch_threads=1)
+    assert engine.config.cuda_graphs is True and engine.config.cuda_graph_max_tokens == 16
+    assert engine.graphs is not None
+    off = build_engine(cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"cuda_graphs": False})}),
+                       torch_threads=1)
+    assert off.graphs is None
+
+
+def test_a_bad_cuda_graph_setting_is_refused_by_name():
+    with pytest.raises(ValueError, match="cuda_graph_max_tokens"):
+        ServiceConfig.model_validate({"engine": {"cuda_graph_max_tokens": 0}})

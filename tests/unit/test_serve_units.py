@@ -641,3 +641,40 @@ def test_loadtest_in_process_drives_the_engine_and_the_controller(tiny_dir, tiny
     assert "static:none:0" not in data["cost_check"]  # a static policy predicts nothing
     bad = CliRunner().invoke(app, common + ["--start"])
     assert bad.exit_code == 2 and "--in-process" in bad.output and "--start" in bad.output
+
+
+def test_the_controller_lowers_every_thread_of_its_process():
+    """controller.niceness reaches every thread (Linux sets niceness per thread), in a child
+    process so the test's own priority is untouched."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_nice_child, args=(q,))
+    p.start()
+    got = q.get(timeout=60)
+    p.join(timeout=60)
+    assert got["returned"] == 7
+    assert got["threads"] and all(n >= 7 for n in got["threads"].values()), got
+    assert got["later_thread"] >= 7  # a thread started afterwards inherits it
+
+
+def _nice_child(q) -> None:
+    import os
+    import threading
+    import time
+
+    from adaptspec.serve.controller import lower_priority
+
+    stop = threading.Event()
+    t = threading.Thread(target=stop.wait, daemon=True)
+    t.start()  # a thread that exists before the call
+    time.sleep(0.05)
+    returned = lower_priority(7)
+    later = {}
+    t2 = threading.Thread(target=lambda: later.setdefault("n", os.getpriority(os.PRIO_PROCESS, 0)))
+    t2.start()
+    t2.join()
+    threads = {int(x): os.getpriority(os.PRIO_PROCESS, int(x)) for x in os.listdir("/proc/self/task")}
+    stop.set()
+    q.put({"returned": returned, "threads": threads, "later_thread": later["n"]})
