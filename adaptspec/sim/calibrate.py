@@ -80,7 +80,7 @@ def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_c
 def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: str, repeats: int,
               batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), ks: tuple[int, ...] = (1, 2, 4, 8),
               prompt_tokens: int = 128, context_term: bool = True, prefill: bool = False,
-              engine_options: dict | None = None, probe: bool = True) -> Path:
+              engine_options: dict | None = None, probe: bool = True, passes: int = 2) -> Path:
     """``prefill``: also keep each point's admission step (its prompts' prefill and whatever
     the engine runs with it) as a sample at its prefill + verify tokens, so the profile's
     token table reaches prompt-sized passes (the simulator prices a step's prompt chunks on
@@ -88,7 +88,11 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
     ``Engine.from_pretrained`` settings (a service's: token budget, block size, prefix cache).
     ``probe``: speed probes (``speed_probe``) of the engine at the start and the end, kept in
     the profile as the reference a live engine's probes are compared with (the machine's speed
-    drifts between minutes; ``adaptspec fidelity`` scales the profile by live probe / this)."""
+    drifts between minutes; ``adaptspec fidelity`` scales the profile by live probe / this).
+    ``passes``: the grid is measured this many times, every other pass in reverse order, and
+    the samples pooled: the machine's speed drifts within a calibration too, and one pass in
+    batch order would measure the small batches in one speed state and the large ones in
+    another, which bends the token table (the shape the policy prices k by)."""
     try:
         from adaptspec import Engine, SamplingParams, SpecConfig
     except Exception as e:  # pragma: no cover - depends on the install
@@ -109,7 +113,10 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
     steps = max(repeats, 1)
     from tqdm import tqdm
 
-    grid = [(b, d, k) for b in batch_sizes for d, k in arms]
+    if passes < 1:
+        raise ValueError(f"calibrate: passes must be >= 1, got {passes}")
+    points = [(b, d, k) for b in batch_sizes for d, k in arms]
+    grid = [pt for i in range(passes) for pt in (points if i % 2 == 0 else points[::-1])]
     budget = int(engine.config.max_num_batched_tokens)
     for b, drafter, k in tqdm(grid, desc="calibrate", unit="point"):
         ids = []

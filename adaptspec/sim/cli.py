@@ -84,6 +84,9 @@ def register(app: typer.Typer) -> None:
         repeats: int = typer.Option(3, help="timed decode steps per (batch size, arm)"),
         batch: str = typer.Option("1,2,4,8,16", help="batch sizes to measure, comma-separated"),
         ks: str = typer.Option("2,4,8", help="k values to measure, comma-separated"),
+        passes: int = typer.Option(2, help="times the grid is measured, every other pass in reverse order "
+                                           "(the machine's speed drifts during a calibration: pooled passes "
+                                           "spread the drift over every point instead of bending the table)"),
         context_term: bool = typer.Option(True, "--context-term/--no-context-term",
                                           help="fit verify time per KV token read as well (off: a table "
                                                "over verify tokens alone, see fit_profile)"),
@@ -105,7 +108,7 @@ def register(app: typer.Typer) -> None:
         try:
             path = run(out, target=target, draft=draft, dtype=dtype, device=device, repeats=repeats,
                        batch_sizes=tuple(int(x) for x in batch.split(",")), ks=tuple(int(x) for x in ks.split(",")),
-                       context_term=context_term)
+                       context_term=context_term, passes=passes)
         except (RuntimeError, ValueError) as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2)

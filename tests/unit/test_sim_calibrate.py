@@ -126,6 +126,25 @@ def test_calibration_times_decode_steps_of_a_batch_whose_prompts_take_several_st
     assert not any(r["drafter"] == "probe" for r in rows)  # the probes' steps are no samples
 
 
+def test_calibration_passes_alternate_the_grid_order_so_drift_spreads_over_every_point(tiny_dir, tmp_path):
+    """Two passes: the grid in order, then reversed (the machine slowing down during a
+    calibration must not land on the large batches alone); passes < 1 is refused by name."""
+    import csv
+    from itertools import groupby
+
+    from adaptspec.sim.calibrate import calibrate
+
+    out = calibrate(tmp_path / "p.json", target=str(tiny_dir), draft=None, dtype="float32", device="cpu",
+                    repeats=1, batch_sizes=(1, 2), ks=(2,), probe=False, passes=2)
+    rows = [r for r in csv.DictReader(open(out.with_suffix(".steps.csv"))) if r["drafter"] != "prefill"]
+    blocks = [key for key, _ in groupby((r["batch_size"], r["drafter"]) for r in rows)]
+    assert blocks == [("1", "none"), ("1", "ngram"), ("2", "none"), ("2", "ngram"), ("2", "none"), ("1", "ngram"),
+                      ("1", "none")]
+    with pytest.raises(ValueError, match="passes"):
+        calibrate(tmp_path / "q.json", target=str(tiny_dir), draft=None, dtype="float32", device="cpu", repeats=1,
+                  batch_sizes=(1,), ks=(2,), probe=False, passes=0)
+
+
 # ---- speed probes and the profile's reference ---------------------------------------------------
 def _profile(**extra):
     from adaptspec.control.costs import ProfileFile
