@@ -462,7 +462,8 @@ class Engine:
         any_top_p = any(s.params.top_p < 1.0 for s in seqs)
         return verifier.verify_stochastic_from_logits_dispatch(
             logits, temperature, top_k if any_top_k else None, top_p if any_top_p else None,
-            draft_ids, q, num_draft, u_accept, u_sample, max_num_draft_tokens=max_k, backend=self.verifier_backend)
+            draft_ids, q, num_draft, u_accept, u_sample, max_num_draft_tokens=max_k,
+            max_top_k=max(s.params.top_k for s in seqs), backend=self.verifier_backend)
 
     def _commit(self, rows, drafts, emitted, hidden, outputs) -> list[RequestStepStats]:
         stats = []

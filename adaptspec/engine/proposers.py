@@ -178,7 +178,9 @@ def _sample(rows: list[Sequence], logits: torch.Tensor,  # [num_rows, vocab_size
         probs = logits_to_probs(logits[idx].float(),
                                 torch.tensor([s.params.temperature for s in sub], device=dev),
                                 torch.tensor([s.params.top_k for s in sub], device=dev),
-                                torch.tensor([s.params.top_p for s in sub], device=dev))
+                                torch.tensor([s.params.top_p for s in sub], device=dev),
+                                max_top_k=max(s.params.top_k for s in sub),
+                                any_top_p=any(s.params.top_p < 1.0 for s in sub))
         u = torch.cat([torch.rand(1, generator=s.generator, device=s.generator.device) for s in sub]).to(dev)
         tok = sample_from_probs(probs, u)
         pt = probs.gather(1, tok[:, None])[:, 0].tolist()

@@ -24,17 +24,28 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
 def logits_to_probs(
     logits: torch.Tensor,  # [num_rows, vocab_size]
     temperature: torch.Tensor,  # [num_rows] float, > 0
-    top_k: torch.Tensor,  # [num_rows] int, 0 = no cut
-    top_p: torch.Tensor,  # [num_rows] float in (0, 1]
+    top_k: torch.Tensor | None,  # [num_rows] int, 0 = no cut; None: no row cuts
+    top_p: torch.Tensor | None,  # [num_rows] float in (0, 1]; None: no row cuts
+    *,
+    max_top_k: int | None = None,  # host-known largest top_k of the rows (0: none cuts)
+    any_top_p: bool | None = None,  # host-known: does any row cut by top_p
 ) -> torch.Tensor:  # [num_rows, vocab_size] float32, rows sum to 1
+    """``max_top_k`` / ``any_top_p``: what the caller knows on the host. Given, the cuts read
+    nothing back from the device (on CUDA every such read waits for all queued work: a sync
+    in the middle of a step); None: read from the tensors. Rows without a top-k cut take no
+    part in the top-k pass, so a batch that mixes cut and uncut rows needs ``max_top_k``
+    values per row, not a sort of the whole vocabulary."""
     logits = logits.float() / temperature[:, None]
-    if bool((top_k > 0).any()):
-        vocab = logits.shape[-1]
-        kk = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab))
-        kth = torch.topk(logits, int(kk.max()), dim=-1).values.gather(1, (kk - 1)[:, None])  # [num_rows, 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_k is not None:
+        kmax = int(top_k.max()) if max_top_k is None else int(max_top_k)
+        kmax = min(kmax, logits.shape[-1])
+        if kmax > 0:
+            vals = torch.topk(logits, kmax, dim=-1).values  # [num_rows, kmax], descending
+            kth = vals.gather(1, (top_k.clamp(min=1, max=kmax) - 1).long()[:, None])  # [num_rows, 1]
+            kth = torch.where(top_k[:, None] > 0, kth, torch.full_like(kth, float("-inf")))
+            logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if bool((top_p < 1.0).any()):
+    if top_p is not None and (bool((top_p < 1.0).any()) if any_top_p is None else any_top_p):
         sorted_p, order = probs.sort(dim=-1, descending=True)
         before = sorted_p.cumsum(-1) - sorted_p  # mass strictly ahead of each token
         drop_sorted = before >= top_p[:, None]  # keeps the smallest prefix reaching top_p (>= 1 token)

@@ -215,20 +215,26 @@ def verify_stochastic_from_logits_dispatch(
     uniform_sample: torch.Tensor,  # [num_reqs] in [0, 1)
     *,
     max_num_draft_tokens: int | None = None,  # host-known max k: saves the kernels' one sync
+    max_top_k: int | None = None,  # host-known largest top_k (the cuts then read nothing back)
     backend: str | None = None,
 ) -> VerifyResult:
     """Per-request temperature/top-k/top-p applied to the target logits, then verified; the
-    Triton path fuses the temperature softmax (top-k/top-p still go through torch)."""
+    Triton path fuses the temperature softmax (top-k/top-p still go through torch). With
+    ``max_top_k`` given the cuts need no device sync (a ``top_p`` of None: no request cuts)."""
+    from functools import partial
+
+    from adaptspec.engine.sampling import logits_to_probs
+
+    hinted = max_top_k is not None
+    probs_fn = partial(logits_to_probs, max_top_k=(max_top_k if top_k is not None else 0) if hinted else None,
+                       any_top_p=(top_p is not None) if hinted else None)
     if (backend or select_backend(target_logits.device)) == "triton":
         from adaptspec_kernels.verify import stochastic_verify_from_logits
 
-        from adaptspec.engine.sampling import logits_to_probs
-
         return VerifyResult(*stochastic_verify_from_logits(
             target_logits, temperature, draft_token_ids, draft_probs, num_draft_tokens,
-            uniform_accept, uniform_sample, top_k=top_k, top_p=top_p, probs_fn=logits_to_probs,
+            uniform_accept, uniform_sample, top_k=top_k, top_p=top_p, probs_fn=probs_fn,
             max_num_draft_tokens=max_num_draft_tokens))
-    from adaptspec.engine.sampling import logits_to_probs
 
     dev, num_reqs = target_logits.device, num_draft_tokens.numel()
     rows = num_draft_tokens.to(dev).long() + 1  # target rows per request
@@ -237,5 +243,6 @@ def verify_stochastic_from_logits_dispatch(
         x = torch.full((num_reqs,), fill, device=dev) if x is None else x.to(dev)
         return torch.repeat_interleave(x, rows, output_size=target_logits.shape[0])
 
-    probs = logits_to_probs(target_logits, per_row(temperature, 1.0), per_row(top_k, 0), per_row(top_p, 1.0))
+    probs = probs_fn(target_logits, per_row(temperature, 1.0), None if top_k is None else per_row(top_k, 0),
+                     None if top_p is None else per_row(top_p, 1.0))
     return verify_stochastic(probs, draft_token_ids, draft_probs, num_draft_tokens, uniform_accept, uniform_sample)

@@ -1,6 +1,7 @@
 """Hand-built verification cases: each expected answer is worked out in the comment."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from adaptspec.engine.sampling import logits_to_probs, sample_from_probs
@@ -71,6 +72,48 @@ def test_top_k_top_p_and_temperature():
     assert (p[2] > 0).all()
     hot = logits_to_probs(logits[:1], torch.tensor([0.05]), torch.tensor([0]), torch.tensor([1.0]))
     assert hot[0, 0] > 0.999
+
+
+class _NoHostRead(torch.Tensor):
+    """A tensor that fails on every read back to the host (on CUDA each one is a device sync)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__float__,
+                    torch.Tensor.tolist, torch.Tensor.__index__):
+            raise AssertionError(f"host read: {func.__name__}")
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def _cut_rows():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g)
+    temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 0.5, 2.0])
+    top_k = torch.tensor([0, 3, 0, 60, 1, 7])  # uncut rows, a k above the vocabulary, k = 1
+    top_p = torch.tensor([1.0, 0.9, 0.5, 1.0, 1.0, 0.8])
+    return logits, temperature, top_k, top_p
+
+
+def test_host_hints_give_the_same_cuts_without_reading_the_device():
+    """With the host-known largest top_k and whether any row cuts by top_p, the cuts equal
+    the unhinted ones and read nothing back (a sync per step on CUDA); without the hints the
+    same call reads (the negative control: the guard can fail)."""
+    logits, temperature, top_k, top_p = _cut_rows()
+    ref = logits_to_probs(logits, temperature, top_k, top_p)
+    # the reference cut row by row, as the definition says
+    for r in range(6):
+        row = logits[r] / temperature[r]
+        k = int(top_k[r])
+        if k:
+            row = row.masked_fill(row < row.topk(min(k, 50)).values[-1], float("-inf"))
+        assert ((ref[r] > 0) <= torch.isfinite(row)).all()
+    guarded = [x.as_subclass(_NoHostRead) for x in (logits, temperature, top_k, top_p)]
+    hinted = logits_to_probs(*guarded, max_top_k=60, any_top_p=True)
+    assert torch.equal(hinted.as_subclass(torch.Tensor), ref)
+    with pytest.raises(AssertionError, match="host read"):
+        logits_to_probs(*guarded)
+    none = logits_to_probs(guarded[0], guarded[1], None, None)  # no request cuts: nothing to read either
+    assert torch.allclose(none.as_subclass(torch.Tensor), torch.softmax(logits / temperature[:, None], -1))
 
 
 def test_inverse_cdf_sampling_boundaries():
