@@ -265,7 +265,8 @@ def test_a_damaged_checkpoint_starts_afresh(tmp_path):
 
     path = tmp_path / "ckpt.pkl"
     path.write_bytes(b"not a pickle")
-    cfg = {"models": {"draft": None}, "controller": {"cost_profile": None, "checkpoint": str(path)}}
+    # niceness 0: built in the test's own process, the controller must not lower its priority
+    cfg = {"models": {"draft": None}, "controller": {"cost_profile": None, "checkpoint": str(path), "niceness": 0}}
     ctl = asyncio.run(_construct(Controller.func_or_class, cfg))
     assert ctl.core.policy_name == "thompson"
     assert ctl.checkpoint() and path.read_bytes() != b"not a pickle"
