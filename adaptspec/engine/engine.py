@@ -458,12 +458,12 @@ class Engine:
         temperature = self._put([s.params.temperature for s in seqs])
         top_k = self._put([s.params.top_k for s in seqs])
         top_p = self._put([s.params.top_p for s in seqs])
-        any_top_k = any(s.params.top_k > 0 for s in seqs)  # decided on the host: no device sync
+        max_top_k = max(s.params.top_k for s in seqs)  # decided on the host: no device sync
         any_top_p = any(s.params.top_p < 1.0 for s in seqs)
         return verifier.verify_stochastic_from_logits_dispatch(
-            logits, temperature, top_k if any_top_k else None, top_p if any_top_p else None,
+            logits, temperature, top_k if max_top_k > 0 else None, top_p if any_top_p else None,
             draft_ids, q, num_draft, u_accept, u_sample, max_num_draft_tokens=max_k,
-            max_top_k=max(s.params.top_k for s in seqs), backend=self.verifier_backend)
+            max_top_k=max_top_k, backend=self.verifier_backend)
 
     def _commit(self, rows, drafts, emitted, hidden, outputs) -> list[RequestStepStats]:
         stats = []
