@@ -51,9 +51,11 @@ class EngineConfig:
     kv_cache_memory: float | None = None
     # decode / verification steps (no prompt chunk) of up to cuda_graph_max_tokens rows replay
     # a CUDA graph of the target's forward, padded to a token-count bucket; larger steps and
-    # steps with prompt chunks run eagerly. None: on for CUDA when the attention backend can
-    # be captured (Triton). True on the CPU runs the same padded static-buffer path without
-    # capturing (what the CPU tests check; slower than the default, which is off there)
+    # steps with prompt chunks run eagerly. A draft model's or draft head's passes likewise
+    # (passes of decode-sized rows). None: on for CUDA when the attention backend can be
+    # captured (Triton; a draft whose backend cannot stays eager). True on the CPU runs the
+    # same padded static-buffer path without capturing (what the CPU tests check; slower than
+    # the default, which is off there)
     cuda_graphs: bool | None = None
     cuda_graph_max_tokens: int = DEFAULT_MAX_TOKENS  # capped at max_num_batched_tokens
     ngram_max_n: int = 3
@@ -112,7 +114,9 @@ class Engine:
             check_same_vocab(target, draft)
             kv_models.append(draft.model)
             self.proposers["draft"] = DraftModelProposer(draft.model)
-        self.graphs = self._setup_kv_and_graphs(kv_models)
+        self.graphs, self.draft_graphs = self._setup_kv_and_graphs(kv_models)
+        if self.draft_graphs is not None:
+            self.proposers["draft"].graphs = self.draft_graphs
         self.pool = BlockPool(self.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
         self.kv = KVCacheManager(self.pool, reuse_margin=1 if isinstance(draft, LoadedHead) else 0)
         self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_num_batched_tokens, self._on_admit)
@@ -129,24 +133,27 @@ class Engine:
         self._unpublished: collections.deque = collections.deque()
         self._ids = itertools.count()
 
-    def _setup_kv_and_graphs(self, kv_models) -> GraphRunner | None:
-        """Size and allocate the KV pool, then capture the target's CUDA graphs. With the pool
-        a fraction of free memory, the graphs are first captured against a two-block pool to
-        measure what they hold, so the fraction applies to the memory left after them. With
-        graphs, every model's pool has one block more than the engine hands out: the pad
-        block that padding rows write to."""
+    def _setup_kv_and_graphs(self, kv_models) -> tuple[GraphRunner | None, GraphRunner | None]:
+        """Size and allocate the KV pool, then capture the CUDA graphs: the target's and the
+        draft model's or head's. With the pool a fraction of free memory, the graphs are first
+        captured against a two-block pool to measure what they hold, so the fraction applies
+        to the memory left after them. With graphs, every model's pool has one block more
+        than the engine hands out: the pad block that padding rows write to."""
         cfg, bs = self.config, self.config.block_size
-        use = self._graphs_wanted()
+        use = self._graphs_wanted(self.target.model.attn, "target")
+        draft_use = use and self.draft is not None and self._graphs_wanted(self._draft_decoder().attn, "draft")
         capture = use and self.device.type == "cuda"
         graph_bytes = 0
         mem = cfg.kv_cache_memory
         if capture and mem is not None and mem <= 1:
             for m in kv_models:
                 m.allocate_kv(2, bs)
-            probe = self._graph_runner(pad_block=1, capture=True)
-            graph_bytes = probe.graph_bytes
-            probe.release()
-            del probe
+            probes = self._graph_runners(1, True, draft_use)
+            graph_bytes = sum(r.graph_bytes for r in probes if r is not None)
+            for r in probes:
+                if r is not None:
+                    r.release()
+            del probes
             for m in kv_models:
                 m.allocate_kv(0, bs)
             torch.cuda.empty_cache()
@@ -154,23 +161,39 @@ class Engine:
         for m in kv_models:
             m.allocate_kv(self.num_blocks + (1 if use else 0), bs)
         if not use:
-            return None
-        return self._graph_runner(pad_block=self.num_blocks, capture=capture)
+            return None, None
+        return self._graph_runners(self.num_blocks, capture, draft_use)
 
-    def _graphs_wanted(self) -> bool:
-        want, attn = self.config.cuda_graphs, self.target.model.attn
+    def _draft_decoder(self):
+        """The draft's LlamaModel: the draft model, or a head's decoder."""
+        return self.draft.model.decoder if isinstance(self.draft, LoadedHead) else self.draft.model
+
+    def _graphs_wanted(self, attn, which: str) -> bool:
+        want = self.config.cuda_graphs
         if want is None:
-            return self.device.type == "cuda" and getattr(attn, "graph_safe", False)
+            ok = self.device.type == "cuda" and getattr(attn, "graph_safe", False)
+            if not ok and which == "draft" and self.device.type == "cuda":
+                log.info("cuda_graphs: the draft's %r attention cannot be captured; it drafts eagerly", attn.name)
+            return ok
         if want and self.device.type == "cuda" and not getattr(attn, "graph_safe", False):
-            raise ValueError(f"cuda_graphs: the {attn.name!r} attention backend cannot be captured "
+            raise ValueError(f"cuda_graphs: the {which}'s {attn.name!r} attention backend cannot be captured "
                              "(the Triton backend can: install triton)")
         return want
 
-    def _graph_runner(self, pad_block: int, capture: bool) -> GraphRunner:
+    def _graph_runners(self, pad_block: int, capture: bool, draft: bool):
+        """(the target's runner, the draft's or None): the same buckets, limits and pad block."""
         cfg = self.config
-        return GraphRunner(self.target.model, max_tokens=min(cfg.cuda_graph_max_tokens, cfg.max_num_batched_tokens),
-                           max_seqs=cfg.max_num_seqs, max_blocks_per_seq=-(-cfg.max_model_len // cfg.block_size),
-                           pad_block=pad_block, feature_layers=self._taps, capture=capture)
+        kw = dict(max_tokens=min(cfg.cuda_graph_max_tokens, cfg.max_num_batched_tokens), max_seqs=cfg.max_num_seqs,
+                  max_blocks_per_seq=-(-cfg.max_model_len // cfg.block_size), pad_block=pad_block, capture=capture)
+        target = GraphRunner(self.target.model, feature_layers=self._taps, **kw)
+        if not draft:
+            return target, None
+        if isinstance(self.draft, LoadedHead):  # the head's layers; its input layer stays eager
+            head = self.draft.model
+            return target, GraphRunner(head.decoder, step_fn=lambda batch, x: head.step(x, batch),
+                                       input_width=head.cfg.hidden_size, input_dtype=head.compute_dtype,
+                                       name="draft head", **kw)
+        return target, GraphRunner(self.draft.model, name="draft model", **kw)
 
     def _num_blocks(self, models, graph_bytes: int = 0) -> int:
         cfg, bs = self.config, self.config.block_size

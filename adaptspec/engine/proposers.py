@@ -19,6 +19,14 @@ counts, features)`` after EVERY step, for every running sequence whichever draft
 the target's features at the positions the step committed, so the head's KV is always
 complete (a request the controller switches to the head mid-way has its context, and a
 block shared through the prefix cache carries the head's entries too).
+
+The model drafters' passes go through ``_run``: with the engine's draft graphs
+(``models.cuda_graph.GraphRunner``, ``EngineConfig.cuda_graphs``) a pass of decode-sized rows
+that fits replays the bucket's graph; a pass with a row of more than ``MAX_K + 1`` tokens (a
+prompt, or a request catching up after drafting with another arm) runs eagerly on its exact
+batch. Sampling stays outside the graphs: it
+reads the candidates back to the host (one transfer per pass) and draws from each request's
+own host generator.
 """
 from __future__ import annotations
 
@@ -27,9 +35,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from adaptspec.engine.params import MAX_K
 from adaptspec.engine.sampling import argmax_rows, logits_to_probs, sample_from_probs
 from adaptspec.engine.sequence import Sequence
 from adaptspec.models.batch import FlatBatch
+from adaptspec.models.cuda_graph import GraphRunner
 from adaptspec.models.llama import LlamaModel
 
 
@@ -107,19 +117,20 @@ class DraftModelProposer(Proposer):
 
     name = "draft"
 
-    def __init__(self, model: LlamaModel):
+    def __init__(self, model: LlamaModel, graphs: GraphRunner | None = None):
         self.model = model
+        self.graphs = graphs  # the draft's CUDA graphs (the engine sets them up), None: eager
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
-        m, dev = self.model, self.model.device
+        m = self.model
         drafts = [Draft([], None, []) for _ in seqs]
         stoch: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = [i for i, k in enumerate(ks) if k > 0]
         rows = [seqs[i].token_ids[seqs[i].draft_computed:] for i in active]
         step = 0
         while active:
-            batch = _flat(rows, [seqs[i].draft_computed for i in active], [seqs[i] for i in active], m, last=True)
-            logits, _ = m.forward(batch)
+            logits, _ = _run(m, self.graphs, rows, [seqs[i].draft_computed for i in active],
+                             [seqs[i] for i in active], True, lambda batch: m.forward(batch))
             for i, r in zip(active, rows):
                 seqs[i].draft_computed += len(r)
             sel = [seqs[i] for i in active]
@@ -146,15 +157,23 @@ class DraftModelProposer(Proposer):
         seq.draft_computed = 0
 
 
-def _flat(rows: list[list[int]], starts: list[int], seqs: list[Sequence], model, last: bool) -> FlatBatch:
-    """A FlatBatch of ``rows`` fed at positions ``starts`` through the sequences' block tables;
-    logits at each row's last token when ``last``."""
+def _run(model, graphs: GraphRunner | None, rows: list[list[int]], starts: list[int], seqs: list[Sequence],
+         last: bool, eager, inputs: torch.Tensor | None = None):
+    """One drafting pass: ``rows`` fed at positions ``starts`` through the sequences' block
+    tables, logits at each row's last token when ``last``. Replays a graph (``graphs``) when
+    every row is decode-sized and the pass fits; else ``eager(FlatBatch)`` on the exact batch.
+    ``inputs`` [num_tokens, width]: per-row float inputs (a head's), which a graph takes
+    through its static buffer and ``eager`` already holds."""
     logit_rows, at = [], 0
     for r in rows:
         at += len(r)
         logit_rows.append(at - 1)
-    return FlatBatch.build(rows, starts, [s.block_table for s in seqs], logit_rows if last else [],
-                           model.block_size, model.device)
+    logit_rows = logit_rows if last else []
+    tables = [s.block_table for s in seqs]
+    if graphs is not None and max(map(len, rows)) <= MAX_K + 1 and \
+            graphs.fits(at, len(rows), max(map(len, tables))):
+        return graphs.forward(rows, starts, tables, logit_rows, inputs)
+    return eager(FlatBatch.build(rows, starts, tables, logit_rows, model.block_size, model.device))
 
 
 def _sample(rows: list[Sequence], logits: torch.Tensor,  # [num_rows, vocab_size]
@@ -169,9 +188,10 @@ def _sample(rows: list[Sequence], logits: torch.Tensor,  # [num_rows, vocab_size
         sub = logits if len(greedy) == len(rows) else logits[greedy]
         p = torch.softmax(sub.float(), -1)
         top = p.max(-1)
+        # one transfer for every row's id and probability (float64 holds the ids exactly)
+        ids, vals = torch.stack([top.indices.double(), top.values.double()]).tolist()
         for j, r in enumerate(greedy):
-            out[r] = int(top.indices[j])
-            conf[r] = float(top.values[j])
+            out[r], conf[r] = int(ids[j]), vals[j]
     idx = [r for r in range(len(rows)) if not rows[r].params.greedy]
     if idx:
         sub = [rows[r] for r in idx]
@@ -183,10 +203,9 @@ def _sample(rows: list[Sequence], logits: torch.Tensor,  # [num_rows, vocab_size
                                 any_top_p=any(s.params.top_p < 1.0 for s in sub))
         u = torch.cat([torch.rand(1, generator=s.generator, device=s.generator.device) for s in sub]).to(dev)
         tok = sample_from_probs(probs, u)
-        pt = probs.gather(1, tok[:, None])[:, 0].tolist()
+        ids, pt = torch.stack([tok.double(), probs.gather(1, tok[:, None])[:, 0].double()]).tolist()
         for j, r in enumerate(idx):
-            out[r] = int(tok[j])
-            conf[r] = pt[j]
+            out[r], conf[r] = int(ids[j]), pt[j]
             probs_out[r].append(probs[j])
     if to_target is not None:
         out = to_target(out)
@@ -207,8 +226,17 @@ class HeadProposer(Proposer):
     name = "draft"
     wants_features = True
 
-    def __init__(self, head):  # adaptspec.models.head.HeadModel
+    def __init__(self, head, graphs: GraphRunner | None = None):  # adaptspec.models.head.HeadModel
         self.head = head
+        # CUDA graphs of head.step (the engine sets them up; None: eager): one input width, H,
+        # for the feature passes (observe) and the fed-back ones (propose) alike
+        self.graphs = graphs
+
+    def _pass(self, rows, starts, seqs, last: bool, x: torch.Tensor, from_target: bool):
+        """One pass of the head (graphed where it fits): ``x`` [num_tokens, F or H]."""
+        head = self.head
+        u = head.input_of(x, from_target)  # the input layer stays eager: a graph takes one width
+        return _run(head.decoder, self.graphs, rows, starts, seqs, last, lambda batch: head.step(u, batch), u)
 
     def on_admit(self, seq) -> None:
         seq.head_fed, seq.head_last = seq.num_computed, None  # reused blocks carry the head's entries
@@ -223,14 +251,16 @@ class HeadProposer(Proposer):
             return
         sel = [seqs[i] for i in live]
         rows = [s.token_ids[s.head_fed + 1:s.head_fed + 1 + counts[i]] for i, s in zip(live, sel)]
-        idx = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in live]).to(features.device)
-        batch = _flat(rows, [s.head_fed for s in sel], sel, head.decoder, last=False)
-        _, g = head.forward(features.index_select(0, idx), batch, from_target=True)
-        at = 0
-        for i, s in zip(live, sel):
-            at += counts[i]
+        dev = features.device
+        # queued copies, never waiting: the index of each request's last row is on the device
+        # before the pass is (a blocking copy after it would wait for the pass)
+        idx = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in live]).to(dev, non_blocking=True)
+        ends = torch.from_numpy(np.cumsum([counts[i] for i in live]) - 1).to(dev, non_blocking=True)
+        _, g = self._pass(rows, [s.head_fed for s in sel], sel, False, features.index_select(0, idx), True)
+        last = g.index_select(0, ends)  # a copy: g may be a graph's output, which the next pass overwrites
+        for j, (i, s) in enumerate(zip(live, sel)):
             s.head_fed += counts[i]
-            s.head_last = g[at - 1]
+            s.head_last = last[j]
 
     def propose(self, seqs: list[Sequence], ks: list[int]) -> list[Draft]:
         head = self.head
@@ -256,9 +286,8 @@ class HeadProposer(Proposer):
             active = [active[r] for r in keep]
             g_last = g_last.index_select(0, torch.tensor(keep, device=g_last.device))
             sel = [seqs[i] for i in active]
-            batch = _flat([[tokens[r]] for r in keep], [s.head_fed + step - 1 for s in sel], sel, head.decoder,
-                          last=True)
-            logits, g_last = head.forward(g_last, batch, from_target=False)
+            logits, g_last = self._pass([[tokens[r]] for r in keep], [s.head_fed + step - 1 for s in sel], sel,
+                                        True, g_last, False)
         for i, d in enumerate(drafts):
             if stoch[i]:
                 d.probs = head.full_probs(torch.stack(stoch[i]))

@@ -205,10 +205,23 @@ class HeadModel:
         """``x`` [num_tokens, F] target features (``from_target``) or [num_tokens, H] the
         head's own fed-back outputs, with ``batch.input_ids`` the next tokens -> (draft-vocab
         logits [num_logits, len(V)] or None, the output to feed back [num_tokens, H])."""
-        eps, H = self.cfg.rms_norm_eps, self.cfg.hidden_size
+        return self.step(self.input_of(x, from_target), batch)
+
+    @torch.inference_mode()
+    def input_of(self, x: torch.Tensor, from_target: bool) -> torch.Tensor:
+        """What ``step`` takes, [num_tokens, H] in the compute dtype: eagle3 fuses the
+        target's features into one H-wide vector (fc); fed-back outputs and the adaptspec
+        head's features go in as they are. Split off so that ``step`` has one input width
+        whatever the rows are (one CUDA graph serves both kinds of pass)."""
         x = x.to(self.compute_dtype)
+        return self._fuse(x) if from_target and self.cfg.arch == "eagle3" else x
+
+    @torch.inference_mode()
+    def step(self, x: torch.Tensor, batch):  # x [num_tokens, H] from input_of
+        """The head's layers over the paged cache: ``forward`` after its input layer."""
         if self.cfg.arch == "eagle3":
-            return self._eagle3(self._fuse(x) if from_target else x, batch)
+            return self._eagle3(x, batch)
+        eps, H = self.cfg.rms_norm_eps, self.cfg.hidden_size
         e = F.embedding(batch.input_ids, self.embed).to(self.compute_dtype)
         u = self.decoder._mm(torch.cat([F.rms_norm(x, (H,), self.feature_norm, eps),
                                         F.rms_norm(e, (H,), self.token_norm, eps)], -1), self.fc)
