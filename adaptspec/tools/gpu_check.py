@@ -19,7 +19,8 @@ Sections:
   (``git``, else ``$ADAPTSPEC_GIT_COMMIT``) and a digest of the source it ran.
 * ``tests`` (CUDA only): ``tests/unit/test_cuda_*.py`` (greedy equality with transformers
   with speculation on, the Triton verifier through the engine draw for draw, CUDA-graph
-  replay equal to eager), ``test_kernels.py`` (the Triton verifier against the torch
+  replay equal to eager, for the target and for the drafting passes of a draft model and an
+  EAGLE-3 head: the same candidates as the eager draft), ``test_kernels.py`` (the Triton verifier against the torch
   reference draw for draw) and ``test_triton_attention.py``, in a pytest subprocess with a
   timeout; skipped (with the reason) where pytest is not importable.
 * ``bandwidth``: a large device-to-device copy; bytes read plus written per second.
@@ -32,7 +33,8 @@ Sections:
 * ``spec``: speculative decoding with a self-draft (the target as its own draft: greedy
   accepts nearly every token, so what is left is the engine's overhead) and with n-gram
   lookup on repetitive prompts (a random model need not repeat them: its acceptance is
-  recorded, not judged).
+  recorded, not judged); each eager and with CUDA graphs (``self_draft_graphs``: the
+  target's steps and the draft's k passes replay graphs).
 * ``summary``: the decode step at batch 1 against the memory-bandwidth floor (bytes one
   decode step reads / the measured copy bandwidth), verify-5 / verify-1, graphs / eager,
   and the goals of issue #23 as met / missed.
@@ -297,7 +299,7 @@ def estimates(opts: Options) -> dict[str, float]:
     if opts.tiny or opts.device == "cpu":
         return {s: 2.0 for s in SECTIONS}
     return {"env": 5, "tests": 60, "bandwidth": 5, "model": 30, "decode": 45, "graphs": 60, "verify_cost": 25,
-            "spec": 40}
+            "spec": 60}
 
 
 def _release_memory(device: str) -> None:

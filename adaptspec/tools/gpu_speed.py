@@ -1,6 +1,7 @@
 """The GPU check's speed sections: copy bandwidth, a random-weight model, decode through the
 engine (eager and with CUDA graphs), the cost of verification by token count, speculative
-decoding with a self-draft and with n-gram lookup (``adaptspec.tools.gpu_check`` runs them
+decoding with a self-draft and with n-gram lookup (each eager and with CUDA graphs: with a
+draft, its drafting passes replay graphs too) (``adaptspec.tools.gpu_check`` runs them
 and writes what they return)."""
 from __future__ import annotations
 
@@ -299,25 +300,30 @@ def spec_section(opts, state: dict) -> dict:
     batches = [b for b in opts.batches if b <= 8] or [min(opts.batches)]
     out: dict = {"k": k, "max_new_tokens": new, "runs": {}, "errors": {}}
     fwd = state.get("forward_ms") or {}
-    # the self-draft runs eager only: its twin model shares the target's attributes, and
-    # whatever per-model state graph capture keeps must not be shared
+    # with graphs, the target's steps and the self-draft's k passes replay CUDA graphs (the
+    # twin shares the target's weights; each model has its own graph runner, pool and buffers)
     runs = [("self_draft", True, False, False), ("ngram", False, True, False)]
     if _graphs_here(opts) and "cuda_graphs" in engine_fields():
-        runs.append(("ngram_graphs", False, True, True))
+        runs += [("self_draft_graphs", True, False, True), ("ngram_graphs", False, True, True)]
     for name, with_draft, repetitive, graphs in runs:
         plain = state.get("plain_graphs" if graphs else "plain_eager") or {}
         try:
             draft = self_draft(tgt) if with_draft else None
             eng = make_engine(tgt, graphs=graphs, max_num_seqs=max(batches), max_model_len=max_len, draft=draft,
                               cuda_graph_max_tokens=max(batches) * (k + 1))
+            draft_graphs = getattr(eng, "draft_graphs", None) is not None
+            if with_draft and graphs and not draft_graphs:
+                raise RuntimeError("the engine set up no draft graphs with cuda_graphs on")
             for b in batches:
                 r = run_timed(eng, _prompts(b, prompt_len, tgt.vocab_size, seed=200 + b, repetitive=repetitive),
                               SpecConfig("draft" if with_draft else "ngram", k), warmup_steps=1,
                               steps=10_000, max_new_tokens=new)
+                r["draft_graphs"] = with_draft and draft_graphs
                 base = plain.get(str(b), {}).get("tokens_per_s")
                 r["speedup_over_plain"] = round(r["tokens_per_s"] / base, 4) if base and r["tokens_per_s"] else None
                 if with_draft and b == 1 and fwd.get(1) and fwd.get(k + 1):
                     # k one-token draft forwards + one (k+1)-token verification, the model alone
+                    # and eager (with graphs the overhead can go below 0: launches saved)
                     model_ms = k * fwd[1] + fwd[k + 1]
                     r["model_only_step_ms"] = round(model_ms, 4)
                     r["engine_overhead_ms"] = round(r["step_ms"] - model_ms, 4) if r["step_ms"] else None

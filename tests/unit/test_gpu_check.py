@@ -64,7 +64,12 @@ def test_the_graph_sections_run_their_code_on_the_cpu(tmp_path):
     assert s["decode"]["cuda_graphs"] is False
     assert set(s["graphs"]["by_batch"]) == {"1", "2"}
     assert s["verify_cost"]["engine_graphs"]["relative"]["1"] == 1.0
-    assert "ngram_graphs/b1" in s["spec"]["runs"]
+    runs = s["spec"]["runs"]
+    assert "ngram_graphs/b1" in runs
+    # the self-draft with the target's and the draft's graphs (padded path here): the same
+    # near-total acceptance as eager, so the draft's passes drafted what the target verifies
+    assert runs["self_draft_graphs/b1"]["draft_graphs"] is True and runs["self_draft/b1"]["draft_graphs"] is False
+    assert runs["self_draft_graphs/b1"]["acceptance_rate"] >= 0.95
     assert result["summary"]["graphs_over_eager_b1"] > 0
 
 
