@@ -79,7 +79,8 @@ class EngineOptions(_Strict):
                                 "null: room for max_num_seqs requests of max_model_len")
     cuda_graphs: bool | None = Field(
         None, description="replay decode and verification steps (no prompt chunk) as CUDA graphs of the target's "
-                          "forward, one per token-count bucket: a step's kernel launches cost one replay; null: on "
+                          "forward, and the draft model's or draft head's drafting passes as graphs of theirs, one "
+                          "per token-count bucket: a pass's kernel launches cost one replay; null: on "
                           "for CUDA with the Triton attention backend, off on the CPU; true where they cannot be "
                           "captured is an error at start-up")
     cuda_graph_max_tokens: int = Field(
