@@ -257,13 +257,14 @@ def test_draft_graph_replay_equals_the_eager_draft(target, drafts, head_target, 
         tdir, draft, prompts, specs = target, drafts["self"], _prompts(VOCAB), SPECS
     else:
         tdir, draft, prompts, specs = head_target, head_target / "head", _prompts(HEAD_VOCAB), HEAD_SPECS
-    eng = _engine(tdir, draft, "cuda")  # None: on for CUDA
+    small = dict(cuda_graph_max_tokens=32)  # every step here fits; fewer graphs to capture
+    eng = _engine(tdir, draft, "cuda", **small)  # None: on for CUDA
     runner = eng.draft_graphs
     assert runner is not None and runner.capture and runner.graph_bytes > 0 and eng.graphs.capture
     passes = _Passes(runner)
     got, got_drafts = _run(eng, prompts, specs)
     assert passes.draft > 0 and (kind == "model" or passes.observe > 0)
-    padded = _engine(tdir, draft, "cuda")
+    padded = _engine(tdir, draft, "cuda", **small)
     padded.draft_graphs.capture = False  # the captured buffers and buckets, run eagerly
     assert _run(padded, prompts, specs) == (got, got_drafts)
     eager = _engine(tdir, draft, "cuda", cuda_graphs=False)
@@ -277,6 +278,6 @@ def test_draft_graph_replay_equals_the_eager_draft(target, drafts, head_target, 
 @pytest.mark.cuda
 @needs_cuda
 def test_kv_fraction_is_sized_after_the_draft_graphs_too(target, drafts):
-    eng = _engine(target, drafts["other"], "cuda", kv_cache_memory=0.001)
+    eng = _engine(target, drafts["other"], "cuda", kv_cache_memory=0.001, cuda_graph_max_tokens=32)
     assert eng.num_blocks > 0 and eng.graphs.graph_bytes > 0 and eng.draft_graphs.graph_bytes > 0
     assert eng.generate(_prompts(VOCAB)[:2], GREEDY, SpecConfig("draft", 3))[0].token_ids
