@@ -8,6 +8,15 @@ Step = draft + verify + overhead, where
   mean context] for the draft model (n_j requests still drafting at j), plus
   ngram_s_per_request per n-gram request;
 - other_s = step_overhead_s (scheduling, sampling, host work).
+
+Prompt tokens in a step: priced on the verify table by default. A profile with a prompt table
+(``prefill_tokens`` / ``prefill_s``: a pass that prefills one request's prompt and decodes
+nothing) prices them apart: the step's decode and verification tokens on the verify table,
+plus what the prompt pass costs beyond an empty step (``prefill_s(p) - verify_s(1)``). Why: a
+verified token needs an output-layer row and the verifier's work over the whole vocabulary, a
+prompt token does not (one row per finished prompt), and a one-request pass reads one KV
+context where a verification step of as many tokens reads one per request; on a small model
+the verify table prices a short prompt a third or more too high, and with it every TTFT.
 """
 from __future__ import annotations
 
@@ -49,7 +58,7 @@ class SpeedProbeRef(BaseModel):
 
 # the profile's seconds (and seconds per token/request): what a slower or faster machine scales
 TIME_FIELDS = ("verify_s", "verify_context_s_per_token", "draft_s", "draft_context_s_per_token",
-               "ngram_s_per_request", "step_overhead_s")
+               "ngram_s_per_request", "step_overhead_s", "prefill_s")
 
 
 class ProfileFile(BaseModel):
@@ -65,6 +74,11 @@ class ProfileFile(BaseModel):
     draft_s: list[float] = Field(default_factory=lambda: [0.0], description="seconds of one draft forward at each batch size")
     draft_context_s_per_token: float = Field(0.0, ge=0, description="extra draft seconds per KV token read")
     ngram_s_per_request: float = Field(0.0, ge=0, description="seconds of an n-gram lookup per request")
+    prefill_tokens: list[float] = Field(default_factory=list, description="prompt lengths of a pass that prefills "
+                                        "one request and decodes nothing (ascending; empty: prompt tokens are "
+                                        "priced on the verify table)")
+    prefill_s: list[float] = Field(default_factory=list, description="seconds of that pass at each prompt length "
+                                   "(overhead excluded, as verify_s)")
     step_overhead_s: float = Field(0.0, ge=0, description="fixed seconds per step (host work)")
     kv_capacity_tokens: int = Field(1_000_000, gt=0, description="KV cache capacity in tokens")
     max_num_seqs: int = Field(256, gt=0, description="most running requests")
@@ -87,8 +101,9 @@ class ProfileFile(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "ProfileFile":
-        for xs, ys, name in ((self.verify_tokens, self.verify_s, "verify"), (self.draft_batch, self.draft_s, "draft")):
-            if len(xs) != len(ys) or not xs:
+        for xs, ys, name in ((self.verify_tokens, self.verify_s, "verify"), (self.draft_batch, self.draft_s, "draft"),
+                             (self.prefill_tokens, self.prefill_s, "prefill")):
+            if len(xs) != len(ys) or (not xs and name != "prefill"):
                 raise ValueError(f"{name}_s: needs one value per entry of the token/batch list")
             if any(b <= a for a, b in zip(xs, xs[1:])):
                 raise ValueError(f"{name}: token/batch list must be strictly ascending")
@@ -126,11 +141,19 @@ class ProfileCostModel:
     _vy: np.ndarray = field(init=False)
     _dx: np.ndarray = field(init=False)
     _dy: np.ndarray = field(init=False)
+    _px: np.ndarray | None = field(init=False, default=None)
+    _py: np.ndarray | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         p = self.profile
         self._vx, self._vy = _extrapolating(np.array(p.verify_tokens), np.array(p.verify_s))
         self._dx, self._dy = _extrapolating(np.array(p.draft_batch), np.array(p.draft_s))
+        if p.prefill_tokens:
+            # from no prompt token (an empty step: the verify table's one-token price) up the table
+            x0, y0 = np.array(p.prefill_tokens), np.array(p.prefill_s)
+            if x0[0] > 0:
+                x0, y0 = np.insert(x0, 0, 0.0), np.insert(y0, 0, min(float(np.interp(1.0, self._vx, self._vy)), y0[0]))
+            self._px, self._py = _extrapolating(x0, y0)
 
     @classmethod
     def load(cls, path: str | Path) -> "ProfileCostModel":
@@ -153,11 +176,22 @@ class ProfileCostModel:
         t = np.interp(batch, self._dx, self._dy) + self.profile.draft_context_s_per_token * batch * mean_context
         return np.where(batch > 0, t, 0.0)
 
+    def prompt_s(self, prompt_tokens: int) -> float:
+        """Seconds ``prompt_tokens`` prompt tokens add to a step, with a prompt table (0 for none)."""
+        if self._px is None or prompt_tokens <= 0:
+            return 0.0
+        return max(float(np.interp(prompt_tokens, self._px, self._py) - np.interp(1.0, self._vx, self._vy)), 0.0)
+
     def step(self, verify_tokens: int, context_tokens: float, draft_batch: np.ndarray, ngram_requests: int,
-             mean_context: float) -> StepTime:
-        """draft_batch: [K] requests drafting with the draft model at each position."""
+             mean_context: float, prompt_tokens: int = 0) -> StepTime:
+        """draft_batch: [K] requests drafting with the draft model at each position.
+        ``prompt_tokens``: how many of ``verify_tokens`` are prompt chunks (priced apart with
+        a prompt table; on the verify table with the rest without one)."""
         d = float(self.draft_forward_s(draft_batch, mean_context).sum()) + self.profile.ngram_s_per_request * ngram_requests
-        return StepTime(d, float(self.verify_s(verify_tokens, context_tokens)), self.profile.step_overhead_s)
+        if self._px is None or prompt_tokens <= 0:
+            return StepTime(d, float(self.verify_s(verify_tokens, context_tokens)), self.profile.step_overhead_s)
+        v = float(self.verify_s(max(verify_tokens - prompt_tokens, 1), context_tokens)) + self.prompt_s(prompt_tokens)
+        return StepTime(d, v, self.profile.step_overhead_s)
 
     @property
     def step_overhead_s(self) -> float:

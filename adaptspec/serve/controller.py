@@ -280,15 +280,16 @@ def lower_priority(niceness: int) -> int | None:
         tids = [int(t) for t in os.listdir("/proc/self/task")]
     except OSError:  # not Linux: the process's priority
         tids = [0]
-    now = None
+    held = []  # the niceness each thread holds afterwards
     for tid in tids:
         try:
             cur = os.getpriority(os.PRIO_PROCESS, tid)
             if cur < niceness:
                 os.setpriority(os.PRIO_PROCESS, tid, niceness)
-            now = max(cur, niceness) if now is None else min(now, max(cur, niceness))
+            held.append(max(cur, niceness))
         except (OSError, AttributeError) as exc:  # a thread that ended meanwhile; no setpriority here
             log.debug("controller: cannot lower the priority of thread %s: %s", tid, exc)
+    now = min(held, default=None)  # the least lowered thread
     if now is None:
         log.warning("controller.niceness: could not lower this process's CPU priority; its work may stall the "
                     "engine on a shared CPU node")

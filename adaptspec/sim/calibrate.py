@@ -4,7 +4,10 @@ The engine (torch) is imported inside ``calibrate`` only; the fit is a pure func
 the measured steps (``fit_profile``), tested without torch. Procedure: for each batch size
 and each arm (no drafting, n-gram k, draft k), start that many requests with random
 prompts, let the prefill pass go by, then time ``steps`` decode steps with the engine's own
-per-step timers (verify_s, draft_s, other_s) and record tokens and context.
+per-step timers (verify_s, draft_s, other_s) and record tokens and context. With
+``prefill``, also one-request prompt passes at several prompt lengths (drafter ``prompt``):
+the profile's prompt table (``control.costs``), since a prompt token costs less than a
+verified one.
 """
 from __future__ import annotations
 
@@ -38,9 +41,19 @@ def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_c
     at the context the measured batches had). On the CPU a step's context grows with its
     batch and so do its tokens, and the joint fit can hand a batch's per-request cost to the
     context and leave the table flat (SmolLM2 fp32: 1 to 18 tokens at one price), which
-    tells a policy choosing k that candidates are free; the table alone keeps their price."""
+    tells a policy choosing k that candidates are free; the table alone keeps their price.
+
+    Samples of one-request prompt passes (drafter ``prompt``) make the prompt table (median
+    seconds at each length, beyond the overhead, non-decreasing); the verify table then leaves
+    out the admission steps (drafter ``prefill``), which mix prompt and decode tokens and would
+    price the mix as verified tokens."""
     if not samples:
         raise ValueError("calibrate: no steps were measured")
+    prompt = [s for s in samples if s.drafter == "prompt"]
+    rest = [s for s in samples if s.drafter not in ("prompt", "prefill")] if prompt else samples
+    if not rest:
+        raise ValueError("calibrate: no decode steps were measured (prompt passes alone)")
+    full, samples = samples, rest
     tokens = np.array([s.verify_tokens for s in samples])
     levels = np.unique(tokens)
     X = np.zeros((len(samples), levels.size + 1))
@@ -66,21 +79,28 @@ def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_c
     batches = sorted({s.batch_size for s in draft})
     draft_s = [float(np.median([s.draft_s / s.k for s in draft if s.batch_size == b])) for b in batches]
     ngram = [s.draft_s / s.batch_size for s in samples if s.drafter == "ngram" and s.k > 0]
+    lengths = sorted({s.verify_tokens for s in prompt})
+    py = [float(np.median([s.verify_s + s.draft_s + max(s.other_s - overhead, 0.0) for s in prompt
+                           if s.verify_tokens == n])) for n in lengths]
+    if py:
+        py = list(np.maximum(_isotonic(np.array(py), np.array([sum(s.verify_tokens == n for s in prompt)
+                                                                for n in lengths], dtype=float)), 1e-6))
     return ProfileFile(
         name=name, verify_tokens=[float(x) for x in levels], verify_s=[float(x) for x in verify],
         verify_context_s_per_token=ctx,
         draft_batch=[float(b) for b in batches] or [1.0],
         draft_s=list(np.maximum.accumulate(draft_s)) if draft_s else [0.0],
         ngram_s_per_request=float(np.median(ngram)) if ngram else 0.0,
-        step_overhead_s=overhead,
+        step_overhead_s=overhead, prefill_tokens=[float(n) for n in lengths], prefill_s=[float(x) for x in py],
         kv_capacity_tokens=kv_capacity_tokens, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
-        calibrated=True, notes=[f"measured by adaptspec calibrate from {len(samples)} steps"])
+        calibrated=True, notes=[f"measured by adaptspec calibrate from {len(full)} steps"])
 
 
 def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: str, repeats: int,
               batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), ks: tuple[int, ...] = (1, 2, 4, 8),
               prompt_tokens: int = 128, context_term: bool = True, prefill: bool = False,
-              engine_options: dict | None = None, probe: bool = True, passes: int = 2) -> Path:
+              engine_options: dict | None = None, probe: bool = True, passes: int = 2,
+              prompt_lengths: tuple[int, ...] = (8, 16, 32, 64, 128)) -> Path:
     """``prefill``: also keep each point's admission step (its prompts' prefill and whatever
     the engine runs with it) as a sample at its prefill + verify tokens, so the profile's
     token table reaches prompt-sized passes (the simulator prices a step's prompt chunks on
@@ -92,7 +112,13 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
     ``passes``: the grid is measured this many times, every other pass in reverse order, and
     the samples pooled: the machine's speed drifts within a calibration too, and one pass in
     batch order would measure the small batches in one speed state and the large ones in
-    another, which bends the token table (the shape the policy prices k by)."""
+    another, which bends the token table (the shape the policy prices k by).
+    ``prompt_lengths`` (with ``prefill``): each pass also times ``repeats`` one-request prompt
+    passes of each length (fresh random tokens: no prefix-cache hit), the prompt table."""
+    if passes < 1:  # before the models load: a bad value fails at once
+        raise ValueError(f"calibrate: passes must be >= 1, got {passes}")
+    if prefill and any(int(n) < 1 for n in prompt_lengths):
+        raise ValueError(f"calibrate: prompt_lengths must be >= 1, got {tuple(prompt_lengths)}")
     try:
         from adaptspec import Engine, SamplingParams, SpecConfig
     except Exception as e:  # pragma: no cover - depends on the install
@@ -113,12 +139,15 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
     steps = max(repeats, 1)
     from tqdm import tqdm
 
-    if passes < 1:
-        raise ValueError(f"calibrate: passes must be >= 1, got {passes}")
-    points = [(b, d, k) for b in batch_sizes for d, k in arms]
-    grid = [pt for i in range(passes) for pt in (points if i % 2 == 0 else points[::-1])]
     budget = int(engine.config.max_num_batched_tokens)
+    points = [(b, d, k) for b in batch_sizes for d, k in arms]
+    if prefill:  # one-request prompt passes, each length one point; a length over the step's budget is chunked
+        points += [(1, "prompt", int(n)) for n in sorted(set(prompt_lengths)) if int(n) <= budget]
+    grid = [pt for i in range(passes) for pt in (points if i % 2 == 0 else points[::-1])]
     for b, drafter, k in tqdm(grid, desc="calibrate", unit="point"):
+        if drafter == "prompt":
+            samples += _prompt_passes(engine, k, steps, rng, vocab)
+            continue
         ids = []
         # the step's token budget chunks the prompts over this many steps, and the requests
         # prefilled first decode meanwhile: each must still run through the timed steps
@@ -166,6 +195,25 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
                           + "/".join(f"{1e3 * x:.2f}" for x in ref.end_s))
     ProfileCostModel(prof).save(out)
     return Path(out)
+
+
+def _prompt_passes(engine, length: int, repeats: int, rng, vocab: int) -> list[StepSample]:
+    """``repeats`` timed passes that each prefill one fresh prompt of ``length`` tokens on an
+    idle engine (and decode nothing: the request ends at its first token)."""
+    from adaptspec import SamplingParams, SpecConfig
+
+    out = []
+    lo, hi = (100, vocab - 100) if vocab > 400 else (0, vocab)
+    for _ in range(repeats):
+        rid = engine.add_request(rng.integers(lo, hi, length).tolist(), SamplingParams(max_new_tokens=1, ignore_eos=True),
+                                 SpecConfig("none", 0), raw=True)
+        engine.step()
+        st = engine.last_step
+        if st is not None and st.prefill_tokens == length and st.verify_tokens == 0:
+            out.append(StepSample(1, "prompt", 0, length, st.context_tokens, st.prefill_s + st.verify_s,
+                                  st.draft_s, st.other_s))
+        engine.abort(rid)
+    return out
 
 
 def probe_ref(start: dict[int, float], end: dict[int, float]):

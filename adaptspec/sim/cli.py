@@ -90,6 +90,9 @@ def register(app: typer.Typer) -> None:
         context_term: bool = typer.Option(True, "--context-term/--no-context-term",
                                           help="fit verify time per KV token read as well (off: a table "
                                                "over verify tokens alone, see fit_profile)"),
+        prompt_lengths: str = typer.Option("8,16,32,64,128", help="prompt lengths of one-request prompt passes, "
+                                           "comma-separated: the profile's prompt table (prompt tokens priced apart "
+                                           "from verified ones, see control.costs); empty: none"),
         from_steps: Optional[Path] = typer.Option(None, help="measure nothing: fit the profile again from a "
                                                              "calibration's raw steps (<profile>.steps.csv), with "
                                                              "the limits of the profile beside it"),
@@ -108,7 +111,9 @@ def register(app: typer.Typer) -> None:
         try:
             path = run(out, target=target, draft=draft, dtype=dtype, device=device, repeats=repeats,
                        batch_sizes=tuple(int(x) for x in batch.split(",")), ks=tuple(int(x) for x in ks.split(",")),
-                       context_term=context_term, passes=passes)
+                       context_term=context_term, passes=passes,
+                       prefill=bool(prompt_lengths.strip()),
+                       prompt_lengths=tuple(int(x) for x in prompt_lengths.split(",") if x.strip()))
         except (RuntimeError, ValueError) as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2)

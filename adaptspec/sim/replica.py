@@ -303,7 +303,7 @@ class Replica:
             prefill_tokens += take
         verify_tokens = prefill_tokens + decode_tokens
         draft_batch = self._draft_batch(forwards, is_draft)
-        t = self.cost.step(verify_tokens, context, draft_batch, ngram, mean_ctx)
+        t = self.cost.step(verify_tokens, context, draft_batch, ngram, mean_ctx, prompt_tokens=prefill_tokens)
         end = now + t.wall_s
         rec = self.rec
         b = rec.bin(end)

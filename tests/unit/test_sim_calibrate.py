@@ -95,6 +95,30 @@ def test_prefill_steps_host_time_goes_with_their_tokens_not_into_every_steps_ove
     assert bad.exit_code == 2 and "--from-steps" in bad.output
 
 
+def test_prompt_passes_make_the_prompt_table_and_leave_the_admission_steps_out_of_the_verify_table():
+    """One-request prompt passes (drafter ``prompt``) at 16 and 64 tokens: the prompt table is
+    their median time beyond the overhead, made non-decreasing. The admission steps (drafter
+    ``prefill``: prompt and decode tokens mixed) then stay out of the verify table: at 16 tokens
+    it keeps the decode steps' 0.05 s. Control: without prompt samples the same admission
+    steps pool into the verify table's 16-token level."""
+    dec = [StepSample(16, "none", 0, 16, 2000, 0.05, 0.0, 0.001) for _ in range(3)]
+    dec += [StepSample(1, "none", 0, 1, 130, 0.02, 0.0, 0.001) for _ in range(3)]
+    adm = [StepSample(4, "prefill", 0, 16, 500, 0.03, 0.0, 0.001) for _ in range(6)]
+    prompt = [StepSample(1, "prompt", 0, 16, 16, t, 0.0, 0.003) for t in (0.025, 0.03, 0.035)]
+    prompt += [StepSample(1, "prompt", 0, 64, 64, t, 0.0, 0.001) for t in (0.024, 0.026, 0.028)]  # a fast reading
+    kw = dict(name="x", max_num_seqs=16, kv_capacity_tokens=1000, max_batched_tokens=256, context_term=False)
+    prof = fit_profile(dec + adm + prompt, **kw)
+    assert prof.verify_tokens == [1.0, 16.0] and prof.verify_s == pytest.approx([0.02, 0.05])
+    assert prof.prefill_tokens == [16.0, 64.0]
+    # 16 tokens: median 0.03 + 0.002 host beyond the overhead; 64 tokens read faster: pooled with it
+    assert prof.prefill_s == pytest.approx([(0.032 + 0.026) / 2] * 2)
+    assert prof.notes[0].endswith(f"from {len(dec + adm + prompt)} steps")
+    control = fit_profile(dec + adm, **kw)
+    assert control.prefill_tokens == [] and control.verify_s[-1] < 0.05  # the admission steps pulled it down
+    with pytest.raises(ValueError, match="decode steps"):
+        fit_profile(prompt, **kw)
+
+
 def test_isotonic_fit_pools_a_slow_level_with_its_neighbours():
     from adaptspec.sim.calibrate import _isotonic
 
@@ -116,7 +140,7 @@ def test_calibration_times_decode_steps_of_a_batch_whose_prompts_take_several_st
     out = calibrate(tmp_path / "p.json", target=str(tiny_dir), draft=None, dtype="float32", device="cpu",
                     repeats=2, batch_sizes=(1, 8), ks=(2,), prefill=True)
     rows = list(csv.DictReader(open(out.with_suffix(".steps.csv"))))
-    decode = [r for r in rows if r["drafter"] != "prefill"]
+    decode = [r for r in rows if r["drafter"] not in ("prefill", "prompt")]
     assert {(r["batch_size"], r["drafter"]) for r in decode} == {(b, d) for b in ("1", "8") for d in ("none", "ngram")}
     assert all(int(r["verify_tokens"]) >= 8 for r in decode if r["batch_size"] == "8")
     chunks = [r for r in rows if r["drafter"] == "prefill" and r["batch_size"] == "8"]
@@ -124,6 +148,11 @@ def test_calibration_times_decode_steps_of_a_batch_whose_prompts_take_several_st
     probe = ProfileCostModel.load(out).profile.probe  # the speed reference, probed at the start and the end
     assert probe is not None and probe.batch_sizes == [1, 8] and min(probe.start_s + probe.end_s) > 0
     assert not any(r["drafter"] == "probe" for r in rows)  # the probes' steps are no samples
+    # one-request prompt passes at each default length (two passes x two repeats), nothing decoded in them
+    prompt = [r for r in rows if r["drafter"] == "prompt"]
+    assert sorted({int(r["verify_tokens"]) for r in prompt}) == [8, 16, 32, 64, 128]
+    assert all(sum(int(r["verify_tokens"]) == n for r in prompt) == 4 for n in (8, 16, 32, 64, 128))
+    assert ProfileCostModel.load(out).profile.prefill_tokens == [8.0, 16.0, 32.0, 64.0, 128.0]
 
 
 def test_calibration_passes_alternate_the_grid_order_so_drift_spreads_over_every_point(tiny_dir, tmp_path):
@@ -140,9 +169,9 @@ def test_calibration_passes_alternate_the_grid_order_so_drift_spreads_over_every
     blocks = [key for key, _ in groupby((r["batch_size"], r["drafter"]) for r in rows)]
     assert blocks == [("1", "none"), ("1", "ngram"), ("2", "none"), ("2", "ngram"), ("2", "none"), ("1", "ngram"),
                       ("1", "none")]
-    with pytest.raises(ValueError, match="passes"):
-        calibrate(tmp_path / "q.json", target=str(tiny_dir), draft=None, dtype="float32", device="cpu", repeats=1,
-                  batch_sizes=(1,), ks=(2,), probe=False, passes=0)
+    with pytest.raises(ValueError, match="passes"):  # refused before any model loads: no such model here
+        calibrate(tmp_path / "q.json", target=str(tmp_path / "no-such-model"), draft=None, dtype="float32",
+                  device="cpu", repeats=1, batch_sizes=(1,), ks=(2,), probe=False, passes=0)
 
 
 # ---- speed probes and the profile's reference ---------------------------------------------------
@@ -158,11 +187,12 @@ def _profile(**extra):
 def test_profile_scaled_multiplies_exactly_the_time_fields():
     from adaptspec.control.costs import TIME_FIELDS, SpeedProbeRef
 
-    p = _profile(probe=SpeedProbeRef(batch_sizes=[1, 8], start_s=[0.01, 0.02], end_s=[0.012, 0.022]))
+    p = _profile(probe=SpeedProbeRef(batch_sizes=[1, 8], start_s=[0.01, 0.02], end_s=[0.012, 0.022]),
+                 prefill_tokens=[16.0, 64.0], prefill_s=[0.015, 0.04])
     q = p.scaled(2.5)
     a, b = p.model_dump(), q.model_dump()
     assert set(TIME_FIELDS) == {"verify_s", "verify_context_s_per_token", "draft_s", "draft_context_s_per_token",
-                                "ngram_s_per_request", "step_overhead_s"}
+                                "ngram_s_per_request", "step_overhead_s", "prefill_s"}
     for k in a:
         if k in TIME_FIELDS:
             want = [2.5 * x for x in a[k]] if isinstance(a[k], list) else 2.5 * a[k]
@@ -173,6 +203,7 @@ def test_profile_scaled_multiplies_exactly_the_time_fields():
     m, m2 = ProfileCostModel(p), ProfileCostModel(q)
     args = (12, 300.0, np.array([2.0, 1.0]), 3, 100.0)
     assert m2.step(*args).wall_s == pytest.approx(2.5 * m.step(*args).wall_s)
+    assert m2.step(*args, prompt_tokens=8).wall_s == pytest.approx(2.5 * m.step(*args, prompt_tokens=8).wall_s)
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="factor"):
             p.scaled(bad)

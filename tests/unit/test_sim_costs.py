@@ -40,6 +40,25 @@ def test_step_time_parts():
     assert m.verify_s(201, 0) == pytest.approx(0.03)  # extrapolates on the last slope
 
 
+def test_prompt_tokens_are_priced_on_the_prompt_table_when_the_profile_has_one():
+    """Prompt table 0 -> 0.012 s (empty step: the verify table's 1-token price) .. 16 -> 0.03 s
+    .. 64 -> 0.09 s. A prompt-only step of 32 tokens costs the table's 0.05 s; a step with 8
+    decode tokens and 32 prompt tokens costs verify(8) + (0.05 - verify(1)); without a prompt
+    table (the control) the same step costs verify(40), as it always did."""
+    kw = dict(name="t", verify_tokens=[1, 101], verify_s=[0.012, 0.112], step_overhead_s=0.001)
+    m = ProfileCostModel(ProfileFile(**kw, prefill_tokens=[16, 64], prefill_s=[0.03, 0.09]))
+    plain = ProfileCostModel(ProfileFile(**kw))
+    none = np.zeros(1)
+    assert m.step(32, 0, none, 0, 0.0, prompt_tokens=32).verify_s == pytest.approx(0.05)
+    assert m.step(40, 0, none, 0, 0.0, prompt_tokens=32).verify_s == pytest.approx(0.019 + 0.05 - 0.012)
+    assert m.step(8, 0, none, 0, 0.0, prompt_tokens=8).verify_s == pytest.approx(0.012 + 0.021 - 0.012)  # 8: 0..16
+    assert m.step(8, 0, none, 0, 0.0).verify_s == plain.step(8, 0, none, 0, 0.0).verify_s  # no prompt: as before
+    assert m.step(128, 0, none, 0, 0.0, prompt_tokens=128).verify_s == pytest.approx(0.17)  # extrapolates
+    assert plain.step(40, 0, none, 0, 0.0, prompt_tokens=32).verify_s == pytest.approx(0.051)  # the control
+    with pytest.raises(ValueError, match="prefill"):
+        ProfileFile(**kw, prefill_tokens=[16, 64], prefill_s=[0.03])
+
+
 @pytest.mark.parametrize("name", gpu.BUILTIN)
 def test_builtin_profiles_are_sane(name):
     m = gpu.builtin_profile(name)
