@@ -141,7 +141,7 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
 
     budget = int(engine.config.max_num_batched_tokens)
     points = [(b, d, k) for b in batch_sizes for d, k in arms]
-    if prefill:  # one-request prompt passes, each length one point; a length over the step's budget is chunked
+    if prefill:  # one-request prompt passes, each length one point (a length over the step's token budget is left out)
         points += [(1, "prompt", int(n)) for n in sorted(set(prompt_lengths)) if int(n) <= budget]
     grid = [pt for i in range(passes) for pt in (points if i % 2 == 0 else points[::-1])]
     for b, drafter, k in tqdm(grid, desc="calibrate", unit="point"):
