@@ -86,7 +86,10 @@ class EngineOptions(_Strict):
     cuda_graph_max_tokens: int = Field(
         512, ge=1, description="largest step (tokens through the target) replayed as a CUDA graph; larger steps run "
                                "eagerly (capped at max_num_batched_tokens; every bucket up to it holds graph memory)")
-    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; null: num_cpus of the replica")
+    torch_threads: int | None = Field(None, ge=1, description="torch intra-op threads; null: num_cpus of the replica. "
+                                      "On a small CPU host that also runs Ray, the proxy and the clients, 1 makes "
+                                      "step times repeat: two threads run the cores in lock step, and any other "
+                                      "process taking a core stalls the whole step")
     stall_timeout_s: float = Field(300.0, gt=0, description="an engine step (or a drafter call inside it) that has "
                                    "not returned after this long while requests wait: the engine counts as gone "
                                    "(callers get UNAVAILABLE, health fails, Serve replaces the replica)")
