@@ -143,16 +143,18 @@ class ProfileCostModel:
     _dy: np.ndarray = field(init=False)
     _px: np.ndarray | None = field(init=False, default=None)
     _py: np.ndarray | None = field(init=False, default=None)
+    _v1: float = field(init=False, default=0.0)  # the verify table's one-token price: an empty step
 
     def __post_init__(self) -> None:
         p = self.profile
         self._vx, self._vy = _extrapolating(np.array(p.verify_tokens), np.array(p.verify_s))
         self._dx, self._dy = _extrapolating(np.array(p.draft_batch), np.array(p.draft_s))
+        self._v1 = float(np.interp(1.0, self._vx, self._vy))
         if p.prefill_tokens:
-            # from no prompt token (an empty step: the verify table's one-token price) up the table
+            # from no prompt token (an empty step) up the table
             x0, y0 = np.array(p.prefill_tokens), np.array(p.prefill_s)
             if x0[0] > 0:
-                x0, y0 = np.insert(x0, 0, 0.0), np.insert(y0, 0, min(float(np.interp(1.0, self._vx, self._vy)), y0[0]))
+                x0, y0 = np.insert(x0, 0, 0.0), np.insert(y0, 0, min(self._v1, y0[0]))
             self._px, self._py = _extrapolating(x0, y0)
 
     @classmethod
@@ -180,7 +182,7 @@ class ProfileCostModel:
         """Seconds ``prompt_tokens`` prompt tokens add to a step, with a prompt table (0 for none)."""
         if self._px is None or prompt_tokens <= 0:
             return 0.0
-        return max(float(np.interp(prompt_tokens, self._px, self._py) - np.interp(1.0, self._vx, self._vy)), 0.0)
+        return max(float(np.interp(prompt_tokens, self._px, self._py)) - self._v1, 0.0)
 
     def step(self, verify_tokens: int, context_tokens: float, draft_batch: np.ndarray, ngram_requests: int,
              mean_context: float, prompt_tokens: int = 0) -> StepTime:

@@ -225,9 +225,10 @@ def verify_stochastic_from_logits_dispatch(
 
     from adaptspec.engine.sampling import logits_to_probs
 
-    hinted = max_top_k is not None
-    probs_fn = partial(logits_to_probs, max_top_k=(max_top_k if top_k is not None else 0) if hinted else None,
-                       any_top_p=(top_p is not None) if hinted else None)
+    # the host's hints (None: the cuts read the tensors); a None tensor means no request cuts
+    hints = {} if max_top_k is None else {"max_top_k": max_top_k if top_k is not None else 0,
+                                          "any_top_p": top_p is not None}
+    probs_fn = partial(logits_to_probs, **hints)
     if (backend or select_backend(target_logits.device)) == "triton":
         from adaptspec_kernels.verify import stochastic_verify_from_logits
 
