@@ -1,4 +1,4 @@
-"""CLI commands of the simulator area (`simulate`, `calibrate`)."""
+"""CLI commands of the simulator area (`simulate`, `calibrate`, `speed-probe`)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -118,3 +118,58 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2)
         typer.echo(f"wrote {path}")
+
+    @app.command("speed-probe")
+    def speed_probe_cmd(
+        config: Optional[str] = typer.Option(None, help="service config YAML (the engine it builds); "
+                                                         "default: the embedded one"),
+        seconds: float = typer.Option(45.0, help="how long to probe, back to back"),
+        threads: Optional[int] = typer.Option(None, help="torch threads (default: the config's)"),
+        batch: str = typer.Option("1,8", help="batch sizes of each probe, comma-separated"),
+        steps: int = typer.Option(10, help="timed decode steps per probe and batch size"),
+        json_path: Optional[Path] = typer.Option(None, "--json", help="write every reading and the summary here"),
+    ) -> None:
+        """How repeatable this machine is: the same decode-step probe of an idle engine, back to
+        back; per batch size the median, range and coefficient of variation of a step."""
+        import json
+        import time
+
+        from rich.table import Table
+
+        try:
+            sizes = tuple(int(x) for x in batch.split(",") if x.strip())
+        except ValueError:
+            sizes = ()
+        for bad, msg in ((not seconds > 0, f"--seconds must be > 0, got {seconds}"),
+                         (steps < 1, f"--steps must be >= 1, got {steps}"),
+                         (threads is not None and threads < 1, f"--threads must be >= 1, got {threads}"),
+                         (not sizes or min(sizes) < 1, f"--batch must be positive integers, got {batch!r}")):
+            if bad:
+                typer.echo(f"error: {msg}", err=True)
+                raise typer.Exit(2)
+        import torch
+
+        from adaptspec.serve.config import load_config
+        from adaptspec.serve.engine_proc import build_engine
+        from adaptspec.sim.speed_probe import repeatability, speed_probe
+
+        engine = build_engine(load_config(config), torch_threads=threads)
+        speed_probe(engine, sizes, steps)  # untimed: a fresh engine's first passes are slow
+        t0, readings = time.perf_counter(), []
+        while time.perf_counter() - t0 < seconds:
+            readings.append(speed_probe(engine, sizes, steps))
+        stats = repeatability(readings)
+        t = Table(title=f"decode step, {len(readings)} probes in {seconds:g} s, {torch.get_num_threads()} torch threads")
+        for c in ("batch", "median ms", "min ms", "max ms", "CV"):
+            t.add_column(c)
+        for b, r in stats.items():
+            t.add_row(str(b), f"{1e3 * r['median_s']:.2f}", f"{1e3 * r['min_s']:.2f}", f"{1e3 * r['max_s']:.2f}",
+                      f"{r['cv']:.3f}")
+        out = _console()
+        out.print(t)
+        if json_path:
+            json_path.write_text(json.dumps({"threads": torch.get_num_threads(), "seconds": seconds,
+                                             "summary": {str(b): r for b, r in stats.items()},
+                                             "readings": [{str(b): v for b, v in r.items()} for r in readings]},
+                                            indent=1))
+            out.print(f"wrote {json_path}")

@@ -79,6 +79,18 @@ def speed_probe(engine, batch_sizes: tuple[int, ...] = PROBE_BATCHES, steps: int
     return out
 
 
+def repeatability(readings: list[dict[int, float]]) -> dict[int, dict[str, float]]:
+    """Per batch size, how much back-to-back probes of one engine agree: count, median, min,
+    max (seconds) and the coefficient of variation (population sd / mean). A machine whose
+    probes spread by more than a benchmark's goal cannot check that goal."""
+    out = {}
+    for b in sorted({b for r in readings for b in r}):
+        x = np.array([r[b] for r in readings if b in r], dtype=float)
+        out[b] = {"n": int(x.size), "median_s": float(np.median(x)), "min_s": float(x.min()),
+                  "max_s": float(x.max()), "cv": float(x.std() / x.mean()) if x.mean() > 0 else math.nan}
+    return out
+
+
 def mean_probe(*probes: dict[int, float]) -> dict[int, float]:
     """Per batch size, the mean of the probes that have it."""
     keys = sorted({b for p in probes if p for b in p})

@@ -266,3 +266,24 @@ def test_speed_probe_times_decode_steps_and_leaves_the_engine_idle_and_its_liste
     eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=3), raw=True)
     with pytest.raises(ValueError, match="idle"):
         speed_probe(eng)
+
+
+def test_repeatability_summarises_back_to_back_probes_and_the_cli_refuses_bad_options_by_name():
+    """Three probes at batch 1 (10, 12, 14 ms) and two at batch 8: median, range and the
+    coefficient of variation (population sd / mean). Control: identical readings give CV 0."""
+    from typer.testing import CliRunner
+
+    from adaptspec.cli import app
+    from adaptspec.sim.speed_probe import repeatability
+
+    r = repeatability([{1: 0.010, 8: 0.020}, {1: 0.012}, {1: 0.014, 8: 0.030}])
+    assert r[1]["n"] == 3 and r[1]["median_s"] == pytest.approx(0.012)
+    assert (r[1]["min_s"], r[1]["max_s"]) == pytest.approx((0.010, 0.014))
+    assert r[1]["cv"] == pytest.approx(np.std([10, 12, 14]) / 12)
+    assert r[8]["n"] == 2 and r[8]["cv"] == pytest.approx(0.2)
+    assert repeatability([{1: 0.01}, {1: 0.01}])[1]["cv"] == 0.0  # the control
+    for args, field in ((["--seconds", "0"], "--seconds"), (["--steps", "0"], "--steps"),
+                        (["--threads", "0"], "--threads"), (["--batch", "1,x"], "--batch")):
+        res = CliRunner().invoke(app, ["speed-probe", *args])
+        assert res.exit_code == 2 and field in res.output, (args, res.output)
+
