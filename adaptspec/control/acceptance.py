@@ -156,6 +156,16 @@ class DiscountedBeta:
             self.b[row, :n] += np.diagonal(tail, offset=-1)[:n]
         self.updates += 1
 
+    def update_counts(self, successes: np.ndarray, failures: np.ndarray, row: int = 0) -> None:
+        """Discount ``row`` and add per-position counts (the first ``len`` positions)."""
+        n = min(successes.size, self.max_k)
+        ab = self._ab[:, row]
+        ab *= self.discount
+        ab += self._prior
+        self.a[row, :n] += successes[:n]
+        self.b[row, :n] += failures[:n]
+        self.updates += 1
+
     def fade(self, factor: float) -> None:
         """Keep ``factor`` (in (0, 1]) of every row's evidence beyond the prior."""
         if factor < 1.0:

@@ -11,7 +11,7 @@ from adaptspec.control.base import Clock, PolicyConfig, draft_positions
 from adaptspec.control.confidence import ConfidenceModel
 from adaptspec.control.costmodel import OnlineStepCost, StepCostModel
 from adaptspec.control.planning import PlanningPolicy
-from adaptspec.control.types import StepOutcome
+from adaptspec.control.types import GroupOutcome, StepOutcome
 
 
 POSITION_CORRELATION = 0.8  # of a posterior draw across a drafter's positions (see _acceptance)
@@ -38,6 +38,30 @@ class ThompsonConfig:
     replan_steps: int = 16
     demand_half_life_s: float = 4.0  # how fast the picture of each class's demand forgets
     explore: float = 0.05  # share of steps that try every class one k up or down (cost-model coverage)
+
+
+def proposal_counts(g: GroupOutcome, max_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per position i = 1..k (the arm's k, at most ``max_k``), of the group's request-steps
+    that reached it (kept the i - 1 before it): those that proposed a candidate there, and
+    those that had proposed no more (``H[i-1, i-1]``; none when the group reports no
+    ``drafted_accepted``: every request proposed all k).
+
+    Conditional on reaching i, not on proposing i - 1: an n-gram match that is being accepted
+    tends to run on, so the rate among requests that got this far is higher than among all
+    that proposed i - 1; times the censored acceptance of a proposed candidate it gives the
+    chance of accepting i given i - 1 was accepted.
+    """
+    k = min(g.arm.k, max_k)
+    if g.drafted_accepted is None:
+        h = g.accepted_hist[: k + 1].astype(float)
+        reached = np.add.accumulate(h[::-1])[::-1][:k]  # accepted >= i - 1, for i = 1..k
+        return reached, np.zeros(k)
+    H = g.drafted_accepted[: k + 1, : k + 1]  # a group's matrix may be sized for a larger k
+    # kept_ge[m, i]: requests that proposed m and kept >= i; reaching i + 1 is kept >= i
+    kept_ge = np.add.accumulate(H[:, ::-1], axis=1)[:, ::-1]
+    fail = np.diagonal(H)[:k].astype(float)  # proposed exactly i - 1 and kept all of them
+    reached = kept_ge[:, :k].sum(axis=0).astype(float)
+    return reached - fail, fail
 
 
 class ModelBasedThompson(PlanningPolicy):
@@ -74,6 +98,13 @@ class ModelBasedThompson(PlanningPolicy):
         if prior_cost is not None:
             self.cost.seed_from(prior_cost, max_k=self.config.max_k)
         self.posteriors: dict[str, DiscountedBeta] = {}
+        # per class, per (drafter, position): the chance a candidate is proposed there given
+        # the request got there (n-gram lookup proposes nothing when the context has no match).
+        # The acceptance posteriors are of proposed candidates (a request that proposed m < k
+        # is censored at m), so an arm emits what both allow. Prior Beta(1, 0): every
+        # candidate is there until a step says otherwise (a drafter that always proposes, or a
+        # source that reports no proposal counts, keeps a factor of exactly 1)
+        self.proposal: dict[str, DiscountedBeta] = {}
         self.confidence: dict[str, ConfidenceModel] = {}
         self._row = {d: i for i, d in enumerate(self._drafters)}
         if self.ts.fade_half_life_s is not None and not self.ts.fade_half_life_s > 0:
@@ -87,12 +118,15 @@ class ModelBasedThompson(PlanningPolicy):
                 self.config.max_k, len(self._drafters), self.ts.discount)
             if self.table.thresholds:
                 self.confidence[request_class] = ConfidenceModel(self.config.max_k, len(self._drafters), self.ts.discount)
+            self.proposal[request_class] = DiscountedBeta(self.config.max_k, len(self._drafters), self.ts.discount,
+                                                          prior_a=1.0, prior_b=0.0)
             self._faded_at[request_class] = self._busy_s
         elif self.ts.fade_half_life_s is not None:  # lazily: on the class's next update or read
             dt = self._busy_s - self._faded_at[request_class]
             if dt > 0:
                 f = 0.5 ** (dt / self.ts.fade_half_life_s)
                 post.fade(f)
+                self.proposal[request_class].fade(f)
                 conf = self.confidence.get(request_class)
                 if conf is not None:
                     conf.fade(f)
@@ -113,6 +147,9 @@ class ModelBasedThompson(PlanningPolicy):
             p = np.clip(m + sd * z, 1e-4, 1 - 1e-4)
         else:
             p = m
+        # proposed-and-accepted: the proposal rate's mean (not a draw: it is measured on every
+        # request-step of the drafter, far tighter than acceptance, which is censored)
+        p = p * self.proposal[request_class].mean()
         T = len(self.table.thresholds) + 1
         conf = self.confidence.get(request_class)
         if conf is None:
@@ -130,6 +167,10 @@ class ModelBasedThompson(PlanningPolicy):
             if g.arm.k > 0 and g.arm.drafter in self._row:
                 row = self._row[g.arm.drafter]
                 self._posterior(g.request_class).update(g.accepted_hist, row, g.drafted_accepted)
+                # a confidence threshold's stops are the confidence model's (its q), not missing
+                # proposals: only arms without one teach the proposal rate
+                if not g.arm.min_confidence:
+                    self.proposal[g.request_class].update_counts(*proposal_counts(g, self.config.max_k), row)
                 if g.confidence is not None and g.request_class in self.confidence:
                     self.confidence[g.request_class].update(g.confidence, row)
         n_dec = sum(g.num_requests for g in outcome.groups)
