@@ -1,14 +1,19 @@
 """Run every scenario of this folder for seeds 0-2; write results/<scenario>.seed<N>.json.
 
     nice -n 19 .venv/bin/python simulations/run_all.py [--seeds 0,1,2] [--only name,...] [--force]
+    nice -n 19 .venv/bin/python simulations/run_all.py --kinds thompson   # re-run one policy kind
 
 Resumable: a (scenario, seed) whose JSON exists is skipped unless --force. The figures are
 drawn from seed 0. One scenario at a time, one process: these runs share a 2-core machine.
+``--kinds`` re-runs only the policies of those kinds (after a change to one policy: every
+other policy's runs do not depend on it) and replaces their runs in the existing JSON.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,11 +22,24 @@ HERE = Path(__file__).resolve().parent
 ONE_SEED = {"speed_hour_20rps"}
 
 
+def splice(target: Path, new: dict) -> None:
+    """Replace ``target``'s runs of the same (policy, level) by ``new``'s."""
+    old = json.loads(target.read_text())
+    key = lambda r: (r["policy"], r.get("rate_rps"), r.get("clients"))  # noqa: E731
+    fresh = {key(r): r for r in new["runs"]}
+    old["runs"] = [fresh.pop(key(r), r) for r in old["runs"]]
+    if fresh:
+        raise SystemExit(f"{target.name}: runs not in the old results: {sorted(map(str, fresh))[:3]}")
+    old["policy_notes"].update(new.get("policy_notes", {}))
+    target.write_text(json.dumps(old, indent=1))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--only", default="")
     ap.add_argument("--force", action="store_true")
+    ap.add_argument("--kinds", default="", help="re-run only these policy kinds, spliced into the existing JSON")
     args = ap.parse_args()
     from adaptspec.sim.report import plot, write_json
     from adaptspec.sim.runner import run_scenario
@@ -29,6 +47,7 @@ def main() -> int:
 
     seeds = [int(s) for s in args.seeds.split(",")]
     only = set(filter(None, args.only.split(",")))
+    kinds = set(filter(None, args.kinds.split(",")))
     out = HERE / "results"
     out.mkdir(exist_ok=True)
     for path in sorted(HERE.glob("*.yaml")):
@@ -36,9 +55,18 @@ def main() -> int:
         if only and name not in only:
             continue
         sc, base = load_scenario(path)
+        if kinds:
+            picked = [p for p in sc.policies if p.kind in kinds]
+            if not picked or name in ONE_SEED:
+                continue
+            sc = sc.model_copy(update={"policies": picked})
         for seed in seeds[:1] if name in ONE_SEED else seeds:
             target = out / f"{name}.seed{seed}.json"
-            if target.exists() and not args.force:
+            if kinds:
+                if not target.exists():
+                    print(f"{name} seed {seed}: no results to splice into (run it whole first)", flush=True)
+                    continue
+            elif target.exists() and not args.force:
                 continue
             t0 = time.time()
             try:
@@ -46,6 +74,12 @@ def main() -> int:
             except ValueError as exc:  # e.g. the trace replay without ../shared
                 print(f"{name} seed {seed}: skipped ({exc})", flush=True)
                 break
+            if kinds:
+                with tempfile.TemporaryDirectory() as tmp:
+                    write_json(res, Path(tmp) / "new.json")
+                    splice(target, json.loads((Path(tmp) / "new.json").read_text()))
+                print(f"{name} seed {seed}: {len(res.runs)} runs replaced in {time.time() - t0:.0f} s", flush=True)
+                continue
             write_json(res, target)
             if seed == seeds[0]:
                 plot(res, HERE / "figures")
