@@ -26,6 +26,14 @@ def load(name: str, seed: int) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def results(name: str):
+    """(seed, results) for every seed of ``name`` that has them."""
+    for seed in SEEDS:
+        d = load(name, seed)
+        if d is not None:
+            yield seed, d
+
+
 def ms(x) -> str:
     return "-" if x is None else f"{1e3 * x:.1f}"
 
@@ -151,10 +159,7 @@ def interactive_goal() -> tuple[list[str], bool]:
            "| best static meeting 99% (delivered tok/s; emitted in window, thompson / it) | met |",
            "|---|---|---|---|---|"]
     ok_all = True
-    for seed in SEEDS:
-        d = load("interactive_batch_high", seed)
-        if d is None:
-            continue
+    for seed, d in results("interactive_batch_high"):
         for rate, runs in sorted(by_level(d).items()):
             def att(r):
                 c = next(c for c in r["classes"] if c["name"] == "interactive")
@@ -183,10 +188,7 @@ def interactive_goal() -> tuple[list[str], bool]:
 def stopping_goal() -> tuple[list[str], bool]:
     out = ["| seed | rps | thompson (stopping) | thompson-no-stopping | vllm-adaptive (k 8 / 4) | met |", "|---|---|---|---|---|---|"]
     ok_all = True
-    for seed in SEEDS:
-        d = load("draft_stopping", seed)
-        if d is None:
-            continue
+    for seed, d in results("draft_stopping"):
         for rate, runs in sorted(by_level(d).items()):
             t = runs["thompson"]["goodput_rps"]
             v = [runs[p]["goodput_rps"] for p in runs if p.startswith("vllm-adaptive")]
@@ -200,10 +202,7 @@ def stopping_goal() -> tuple[list[str], bool]:
 def overload_goal() -> tuple[list[str], bool]:
     out = ["| seed | policy | goodput at capacity (24 rps) | at 1.5x | at 2x | 2x / capacity |", "|---|---|---|---|---|---|"]
     ok_all = True
-    for seed in SEEDS:
-        d = load("overload_2x", seed)
-        if d is None:
-            continue
+    for seed, d in results("overload_2x"):
         lv = by_level(d)
         for p in ("thompson", "thompson-no-admission", "oracle", "static-draft:2", "static-draft:2-no-admission"):
             g = [lv[r][p]["goodput_rps"] for r in sorted(lv) if p in lv[r]]
@@ -221,10 +220,7 @@ def mirror_goal() -> tuple[list[str], bool]:
     out = ["| seed | clients | thompson out tok/s | best static | thompson / best static | oracle-planner / best static |",
            "|---|---|---|---|---|---|"]
     ok_all = True
-    for seed in SEEDS:
-        d = load("cpu_live_mirror", seed)
-        if d is None:
-            continue
+    for seed, d in results("cpu_live_mirror"):
         lv: dict = {}
         for r in d["runs"]:
             lv.setdefault(r["clients"], {})[r["policy"]] = r
