@@ -142,23 +142,20 @@ class DiscountedBeta:
         failure at m + 1); without it every request is taken to have proposed all k."""
         h = accepted_hist[: self.max_k + 1]
         n = h.size - 1
-        # decay the evidence (not the prior) so an old regime is forgotten
-        ab = self._ab[:, row]
-        ab *= self.discount
-        ab += self._prior
-        self.a[row, :n] += np.add.accumulate(h[::-1])[-2::-1]  # successes at position i: accepted >= i
+        successes = np.add.accumulate(h[::-1])[-2::-1]  # at position i: accepted >= i
         if drafted_accepted is None:
-            self.b[row, :n] += h[:n]  # failures at position i: accepted == i - 1
+            failures = h[:n]  # at position i: accepted == i - 1
         else:
             # failures at position i: accepted == i - 1 among requests that proposed >= i
             H = drafted_accepted[: n + 1, : n + 1]
             tail = np.add.accumulate(H[::-1], axis=0)[::-1]  # tail[m, j]: proposed >= m, kept j
-            self.b[row, :n] += np.diagonal(tail, offset=-1)[:n]
-        self.updates += 1
+            failures = np.diagonal(tail, offset=-1)[:n]
+        self.update_counts(successes, failures, row)
 
     def update_counts(self, successes: np.ndarray, failures: np.ndarray, row: int = 0) -> None:
         """Discount ``row`` and add per-position counts (the first ``len`` positions)."""
         n = min(successes.size, self.max_k)
+        # decay the evidence (not the prior) so an old regime is forgotten
         ab = self._ab[:, row]
         ab *= self.discount
         ab += self._prior
