@@ -334,19 +334,22 @@ def test_full_queue_is_429(service):
     replica full, the proxy holds ``max_queued_requests`` (default: engine.max_queued) calls
     and refuses the rest: over HTTP with 429 and Retry-After (Serve's plain-text body; a
     refusal by the engine itself carries OpenAI's JSON error). gRPC and HTTP share that queue."""
-    client, base, http = service["grpc"], service["base"], service["http"]
+    client, http = service["grpc"], service["http"]
     _wait_idle(client, "an idle replica")
-    held = [_hold(client) for _ in range(MAX_NUM_SEQS + 2 * MAX_QUEUED)]
-
-    def refused():  # a probe waiting in the proxy's queue times out: the queue is not full yet
-        try:
-            r = http.post("/v1/completions", json=_cmpl(), timeout=0.5)
-        except httpx.TimeoutException:
-            return False
-        assert r.status_code in (200, 429), r.text
-        return r.status_code == 429 and r
+    # Every place is held by a call that stays (no probe that may take a place and leave it).
+    # The replica is filled to one place short first and seen so (stats are a call too and
+    # would wait in the proxy's queue behind a full replica), then the last place and the queue.
+    held = []
     try:
-        r = _wait_for(refused, "a 429 once the replica and the proxy's queue are full")
+        held += [_hold(client) for _ in range(MAX_NUM_SEQS + MAX_QUEUED - 1)]
+        _wait_for(lambda: sum(r.in_flight for r in client.stats().replicas) == len(held),
+                  "the replica to hold all its places but one")
+        held += [_hold(client) for _ in range(1 + MAX_QUEUED)]
+        time.sleep(1.0)  # they reach the replica and the proxy's queue; none may be refused or end
+        assert not [f for f in held if f.done()], "a holding call ended or was refused"
+        # the queue is full: refusals come at once (a request that waits found a place open)
+        r = http.post("/v1/completions", json=_cmpl(), timeout=20)
+        assert r.status_code == 429, (r.status_code, r.text)
         assert r.headers["retry-after"] == "1"
         r = http.post("/v1/chat/completions", json=_chat(stream=True), timeout=30)
         assert r.status_code == 429
