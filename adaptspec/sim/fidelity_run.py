@@ -56,6 +56,7 @@ class FidelityOptions:
     host_gap: bool = True  # simulate the host's time between engine steps as measured live
     snapshots: bool = True  # the simulated policy's arms from snapshots, as a live replica's
     probe: bool = True  # speed-probe the live engine around each run; simulate it at that speed
+    cache_replay: bool = True  # each simulated run prefills what the prefix cache left its live run
     drain_s: float = 120.0
     grpc: bool = False
     torch_threads: int | None = None
@@ -105,6 +106,54 @@ def build_prompt_set(engine, classes: list[str], live: dict, max_tokens: int):
         otoks.append(o)
         csv_rows += [(cls, int(a), int(b), int(c)) for a, b, c in zip(p, o, cached)]
     return PromptSet(ptoks, otoks), csv_rows
+
+
+def cache_replay(ps_rows, live: dict, classes: list[str]) -> tuple[dict, dict]:
+    """The prompt set of each live run: ``({(policy, level label): [PromptSet per round]},
+    {(policy, level label): [mean prompt tokens the cache served a request, per round]})``.
+
+    The simulator has no prefix cache, and what the live one serves a request depends on what
+    ran before it in the session (the session's first runs start cold; a run with more or
+    longer requests evicts more; one cycle through the prompts can lose a block of each), so
+    one prompt set holding each prompt's median over all runs prices some requests' prompts
+    low and others' high, and their TTFT with them. A run's set replays its requests in send
+    order: the pool of a class becomes one copy of its prompts per time the run sent them, the
+    j-th copy of a prompt less what the cache served the j-th request of it (the round-robin
+    order of the load test and the simulator picks copy j for the j-th use; a prompt sent fewer
+    times takes its median in the run, one never sent its median over all runs, as ``ps_rows``
+    has it). With several paths (in-process, gRPC) the first one's run of the round counts.
+    ``ps_rows``: (class, prompt tokens, output tokens, cached tokens) per prompt in class and
+    pool order (``build_prompt_set``'s CSV rows); ``live``: {path: {(policy, level label): [Run]}}."""
+    from adaptspec.sim.closed_loop import PromptSet
+
+    base = {c: [(int(p), int(o), int(k)) for cc, p, o, k in ps_rows if cc == c] for c in classes}
+    keys = sorted({key for runs in live.values() for key in runs}, key=str)
+    sets: dict = {}
+    served: dict = {}
+    for key in keys:
+        rounds = max(len(runs.get(key, [])) for runs in live.values())
+        for r in range(rounds):
+            got = next(runs[key][r] for runs in live.values() if r < len(runs.get(key, [])))
+            rows = sorted((row for row in got.rows if row.prompt_index >= 0), key=lambda x: x.start_s)
+            occ: dict[tuple[str, int], list[int]] = {}
+            for row in rows:
+                occ.setdefault((row.request_class, row.prompt_index), []).append(row.cached_tokens)
+            ptoks, otoks = [], []
+            for c in classes:
+                pool = base[c]
+                uses = max([len(occ.get((c, i), ())) for i in range(len(pool))] + [1])
+                pt, ot = [], []
+                for j in range(uses):
+                    for i, (p, o, k) in enumerate(pool):
+                        seen = occ.get((c, i), [])
+                        kk = seen[j] if j < len(seen) else (int(np.median(seen)) if seen else k)
+                        pt.append(max(p - min(kk, p - 1), 1))
+                        ot.append(o)
+                ptoks.append(np.array(pt, dtype=np.int64))
+                otoks.append(np.array(ot, dtype=np.int64))
+            sets.setdefault(key, []).append(PromptSet(ptoks, otoks))
+            served.setdefault(key, []).append(float(np.mean([row.cached_tokens for row in rows])) if rows else math.nan)
+    return sets, served
 
 
 def sim_profile(profile_path: str | Path, cfg, engine):
@@ -231,14 +280,16 @@ def _sim_level(level) -> SimLevel:
 
 
 def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_set, console=None,
-                 host_gap: dict | None = None, speed: dict | None = None) -> dict:
+                 host_gap: dict | None = None, speed: dict | None = None, run_prompts: dict | None = None) -> dict:
     """{(policy, level label): ([Run], {class: {arm: steps}})}: every (level, policy) as the
     live run had them, ``rounds`` runs each (an adaptive policy carries what it learned from
     run to run unless ``fresh``, as the live controller does), for each of ``sim_seeds``
     seeds. ``host_gap``: {policy: (a, b)}, ``"*"`` for any other policy (``host_gaps``).
     ``speed``: {(policy, level label): [speed factor of each live run]} (``speed_factors``):
     round r is simulated on ``cost``'s time costs times live run r's factor (a run without
-    one: the mean of the others'; none at all: 1)."""
+    one: the mean of the others'; none at all: 1). ``run_prompts``: {(policy, level label):
+    [prompt set of live round r]} (``cache_replay``); round r of every seed takes round r's
+    set, a run without one ``prompt_set``."""
     from adaptspec.control import ClassTarget
     from adaptspec.control.costs import ProfileCostModel
     from adaptspec.serve.loadtest import as_arrivals
@@ -261,8 +312,10 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
             known = [f for f in factors if math.isfinite(f) and f > 0]
             fallback = float(np.mean(known)) if known else 1.0
             runs, arms = [], {}
+            sets = list((run_prompts or {}).get((name, arr.label), []))
             for seed in range(opts.sim_seeds):
                 for r in range(opts.rounds):
+                    ps = sets[r] if r < len(sets) else prompt_set
                     f = factors[r] if r < len(factors) and math.isfinite(factors[r]) and factors[r] > 0 else fallback
                     run_cost = cost if f == 1.0 else ProfileCostModel(cost.profile.scaled(f))
                     key = (name, seed)
@@ -274,7 +327,7 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
                             policies[key] = SnapshotPolicy(policies[key], list(opts.classes),
                                                            cfg.controller.report_interval_s, gap)
                     run, steps = simulate_level(lv, policy=policies[key], cost=run_cost, truths=truths,
-                                                classes=class_specs, prompt_set=prompt_set, warmup_s=opts.warmup_s,
+                                                classes=class_specs, prompt_set=ps, warmup_s=opts.warmup_s,
                                                 duration_s=opts.duration_s, drain_s=opts.drain_s,
                                                 max_k=cfg.controller.max_k, seed=seed * 1000 + r, host_gap=gap)
                     runs.append(run)
@@ -462,7 +515,7 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     }
     runs = {p: r for p, (r, _) in live.items()}
     gaps = {p: (a, b) for p, (a, b, _, _) in gap.items()}
-    return simulate_and_report(cfg, opts, out, runs, recording, prompt_set, cost, gaps, meta, console)
+    return simulate_and_report(cfg, opts, out, runs, recording, prompt_set, cost, gaps, meta, console, ps_rows)
 
 
 def host_gaps(gaps: dict[str, list[tuple[int, float]]]) -> dict[str, tuple[float, float, int, float]]:
@@ -527,9 +580,10 @@ def speed_factors(live: dict, profile, enabled: bool = True) -> tuple[dict, dict
 
 
 def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recording, prompt_set, cost,
-                        gap: dict, meta: dict, console) -> tuple[list[Cell], list, dict]:
+                        gap: dict, meta: dict, console, ps_rows=None) -> tuple[list[Cell], list, dict]:
     """The simulated side of every (level, policy) and the comparison: ``fidelity.json``,
-    ``scenario.yaml``; ``live``: {path: {(policy, level label): [Run]}}."""
+    ``scenario.yaml``; ``live``: {path: {(policy, level label): [Run]}}; ``ps_rows``: the
+    prompt set's CSV rows, for ``cache_replay`` (with ``opts.cache_replay``)."""
     import yaml
 
     from adaptspec.sim.scenario import ClassSpec
@@ -539,14 +593,19 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     used_gap = gap if opts.host_gap else {}
     speed, speed_meta, speed_notes = speed_factors(live, cost.profile, opts.probe)
     notes = [*notes, *speed_notes]
-    sim = simulate_all(cfg, opts, cost, truths, class_specs, prompt_set, host_gap=used_gap, speed=speed)
+    run_prompts, served = cache_replay(ps_rows, live, list(opts.classes)) if opts.cache_replay and ps_rows \
+        else ({}, {})
+    sim = simulate_all(cfg, opts, cost, truths, class_specs, prompt_set, host_gap=used_gap, speed=speed,
+                       run_prompts=run_prompts)
     cells = []
     for path, runs in live.items():
         cells += compare(path, runs, sim, list(opts.classes))
     goal_list = goals(cells)
     meta = {**meta, "notes": notes, "speed": speed_meta,
             "host_gap": {p: {"a_s": a, "per_request_s": b} for p, (a, b) in used_gap.items()},
-            "sim_snapshots_s": cfg.controller.report_interval_s if opts.snapshots else None}
+            "sim_snapshots_s": cfg.controller.report_interval_s if opts.snapshots else None,
+            "cache_replay": {f"{p} {lv}": [None if math.isnan(x) else round(x, 2) for x in v]
+                             for (p, lv), v in served.items()} if served else None}
     (out / "fidelity.json").write_text(to_json(cells, goal_list, meta))
     (out / "scenario.yaml").write_text(yaml.safe_dump(scenario_yaml(opts, cfg, str(Path(meta["profile"]).resolve()),
                                                                     recording, "acceptance.json", "prompt_set.csv"),
@@ -614,13 +673,17 @@ def load_live(path: Path) -> dict:
 
 def resimulate(src: Path, out: Path, console, *, config: str | None = None, host_gap: bool = True,
                snapshots: bool = True, sim_seeds: int | None = None,
-               profile: str | None = None, probe: bool = True) -> tuple[list[Cell], list, dict]:
+               profile: str | None = None, probe: bool = True,
+               cache_replay: bool = True) -> tuple[list[Cell], list, dict]:
     """The simulated side again, against the live runs a fidelity run left in ``src``
     (``live_runs.json``, ``acceptance.json``, ``prompt_set.csv``, its profile): for a changed
     simulator, without the live runs (and the quiet machine) they took. ``profile``: another
     step-cost profile (e.g. refitted from the run's calibration steps) than the run's.
     ``probe``: simulate each run at the speed its probes on file say, against the profile's
-    probe (none on file, or a profile without one: factor 1, and a note says so)."""
+    probe (none on file, or a profile without one: factor 1, and a note says so).
+    ``cache_replay``: each run's prompt set from the prefix-cache hits its live run recorded."""
+    import csv
+
     from adaptspec.control.costs import ProfileCostModel
     from adaptspec.serve.config import load_config
     from adaptspec.serve.loadtest import Arrivals
@@ -644,7 +707,7 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
                            classes=list(meta["classes"]), max_tokens=meta["max_tokens"], duration_s=meta["duration_s"],
                            warmup_s=meta["warmup_s"], rounds=meta["rounds"], profile=profile or meta["profile"],
                            sim_seeds=sim_seeds or meta["sim_seeds"], host_gap=host_gap, snapshots=snapshots,
-                           probe=probe, out=Path(out))
+                           probe=probe, cache_replay=cache_replay, out=Path(out))
     if profile is not None:
         meta = {**meta, "profile": str(profile), "profile_measured": meta["profile"]}
     profile = Path(meta["profile"])
@@ -655,6 +718,9 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
     recording = AcceptanceFile.load(src / "acceptance.json")
     prompt_set = read_prompt_set(PromptSetSpec(path="prompt_set.csv"), src,
                                  [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes])
+    with open(src / "prompt_set.csv", newline="") as f:
+        ps_rows = [(r["request_class"], int(r["num_prefill_tokens"]), int(r["num_decode_tokens"]),
+                    int(r.get("num_cached_tokens") or 0)) for r in csv.DictReader(f)]
     gap_meta = meta.get("host_gap_measured") or {}
     if "a_s" in gap_meta:  # one line for every policy (the first runs of this command)
         gap_meta = {"*": gap_meta}
@@ -663,7 +729,7 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
     live = load_live(src / "live_runs.json")
     meta = {**meta, "resimulated": {"from": str(src), "date": _dt.datetime.now().astimezone().isoformat(
         timespec="seconds"), "code": code_version()}}
-    return simulate_and_report(cfg, opts, Path(out), live, recording, prompt_set, cost, gap, meta, console)
+    return simulate_and_report(cfg, opts, Path(out), live, recording, prompt_set, cost, gap, meta, console, ps_rows)
 
 
 def _level_json(level) -> dict:

@@ -363,6 +363,9 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
             assert c["live"]["top_arm"] == c["sim"]["top_arm"] == "ngram:2"
     assert [g["name"].split(" ")[0] for g in data["goals"]] == ["throughput", "tpot_p50", "ttft_p50", "adaptive"]
     assert data["meta"]["acceptance_steps"] > 0 and Path(data["meta"]["profile"]).is_file()
+    # each simulated run replays the prefix-cache hits of its live run
+    assert set(data["meta"]["cache_replay"]) == {f"{p} {lv}" for p in ("thompson", "static:ngram:2")
+                                                 for lv in ("c=2", "20 rps")}
     for name in ("fidelity.png", "acceptance.json", "prompt_set.csv", "scenario.yaml", "profile.json"):
         assert (out / name).stat().st_size > 0
     recording = AcceptanceFile.load(out / "acceptance.json")
@@ -375,13 +378,14 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
     res = CliRunner().invoke(app, ["simulate", str(out / "scenario.yaml")])
     assert res.exit_code == 0, res.output
     # the live runs simulated again from the folder (nothing live): the same live side, the
-    # simulated side without the host's time between steps this time
+    # simulated side without the host's time between steps or the cache replay this time
     again = tmp_path / "again"
     res = CliRunner().invoke(app, ["fidelity", "--config", str(cfg), "--resimulate", str(out), "--out", str(again),
-                                   "--no-host-gap"])
+                                   "--no-host-gap", "--no-cache-replay"])
     assert res.exit_code == 0, res.output
     redo = json.loads((again / "fidelity.json").read_text())
     assert redo["meta"]["resimulated"]["from"] == str(out) and redo["meta"]["host_gap"] == {}
+    assert redo["meta"]["cache_replay"] is None
     key = lambda c: (c["policy"], c["level"], c["request_class"])  # noqa: E731
     before = {key(c): c["live"] for c in cells}
     for c in redo["cells"]:
@@ -610,3 +614,54 @@ def test_speed_factors_from_probes_and_old_live_files_without_them(tmp_path):
     assert factors == {} and not meta["applied"] and "no speed probes" in notes[0]
     factors, meta, notes = speed_factors(live, cost.profile)  # a profile calibrated before probes
     assert factors == {} and "no speed probe" in notes[0]
+
+
+def _cache_run(uses: list[tuple[str, int, int]]) -> Run:
+    """A live run whose requests were sent in this order: (class, prompt index, cached tokens)."""
+    rows = [Row(c, float(n), float(n) + 0.1, float(n) + 0.5, 10, prompt_index=i, cached_tokens=k)
+            for n, (c, i, k) in enumerate(uses)]
+    return Run(rows, (0.0, float(len(uses))))
+
+
+def test_cache_replay_replays_each_runs_prefix_cache_hits_in_send_order():
+    """By hand: pools of two prompts per class; the pool becomes one copy per time the run sent
+    its prompts, copy j less what the cache served the j-th request of that prompt; a prompt sent
+    fewer times takes its median in the run, one never sent the median over all runs (the CSV's);
+    at least one token is always prefilled. Control: another run gets its own hits."""
+    from adaptspec.sim.fidelity_run import cache_replay
+
+    ps_rows = [("a", 40, 7, 16), ("a", 50, 8, 32), ("b", 30, 9, 16), ("b", 70, 6, 0)]
+    run0 = _cache_run([("a", 0, 32), ("b", 0, 16), ("a", 1, 48), ("b", 1, 64),
+                       ("a", 0, 16), ("b", 0, 29), ("a", 1, 32)])
+    run1 = _cache_run([("a", 0, 0), ("b", 0, 0)])
+    live = {"in-process": {("p", "c=1"): [run0, run1]},
+            "grpc": {("p", "c=1"): [_cache_run([("a", 0, 39)] * 3)]}}  # the first path's run counts
+    sets, served = cache_replay(ps_rows, live, ["a", "b"])
+    s0, s1 = sets[("p", "c=1")]
+    assert s0.prompt_tokens[0].tolist() == [40 - 32, 50 - 48, 40 - 16, 50 - 32]
+    # b1 was sent once (64 cached of 70), b0 twice; b1's second copy: its median in the run
+    assert s0.prompt_tokens[1].tolist() == [30 - 16, 70 - 64, 30 - 29, 70 - 64]
+    assert s0.output_tokens[0].tolist() == [7, 8, 7, 8] and s0.output_tokens[1].tolist() == [9, 6, 9, 6]
+    # run 1 sent a0 and b0 once with nothing cached; a1 and b1 take the CSV's medians
+    assert s1.prompt_tokens[0].tolist() == [40, 50 - 32] and s1.prompt_tokens[1].tolist() == [30, 70]
+    assert served[("p", "c=1")] == pytest.approx([(32 + 16 + 48 + 64 + 16 + 29 + 32) / 7, 0.0])
+    full = cache_replay([("a", 20, 5, 0)], {"x": {("p", "c=1"): [_cache_run([("a", 0, 20)])]}}, ["a"])[0]
+    assert full[("p", "c=1")][0].prompt_tokens[0].tolist() == [1]  # all cached: one token still prefilled
+
+
+def test_a_run_whose_cache_served_less_is_simulated_with_a_later_first_token():
+    """Round 1's live cache served nothing, round 0's most of each prompt: simulated round 1's
+    TTFT is higher by about the price of the extra prompt tokens. Control: one prompt set for both
+    rounds (no replay) simulates them alike."""
+    from adaptspec.sim.closed_loop import PromptSet
+    from adaptspec.sim.fidelity_run import simulate_all
+
+    cfg, opts, cost, truths, specs, prompts = _speed_setup(rounds=2)
+    key = ("static:none:0", "c=1")
+    warm, cold = PromptSet([np.array([4, 6])], [np.array([30, 50])]), PromptSet([np.array([40, 60])], [np.array([30, 50])])
+    runs, _ = simulate_all(cfg, opts, cost, truths, specs, prompts, run_prompts={key: [warm, cold]})[key]
+    ttft = [side_metrics([r], None).ttft_p50 for r in runs]
+    assert ttft[1] > ttft[0] * 1.3
+    plain, _ = simulate_all(cfg, opts, cost, truths, specs, prompts)[key]
+    base = [side_metrics([r], None).ttft_p50 for r in plain]
+    assert base[1] == pytest.approx(base[0], rel=0.02) and base[0] == pytest.approx(ttft[1], rel=0.02)
