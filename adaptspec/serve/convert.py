@@ -72,11 +72,15 @@ def _spec_stats(c: EngineChunk) -> pb.SpeculationStats:
         arms=[pb.ArmSteps(arm=a, steps=n) for a, n in sorted(c.arms.items())])
 
 
+def _usage(c: EngineChunk) -> pb.Usage:
+    return pb.Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
+                    cached_prompt_tokens=c.cached_prompt_tokens)
+
+
 def to_response(c: EngineChunk, request_class: str) -> pb.GenerateResponse:
     return pb.GenerateResponse(
         request_id=c.request_id, request_class=request_class, text=c.text, token_ids=c.all_token_ids,
-        finish_reason=c.finish_reason, usage=pb.Usage(prompt_tokens=c.prompt_tokens,
-                                                       completion_tokens=c.completion_tokens),
+        finish_reason=c.finish_reason, usage=_usage(c),
         speculation=_spec_stats(c), timings=pb.Timings(ttft_s=c.ttft_s, e2e_s=c.e2e_s))
 
 
@@ -84,7 +88,7 @@ def to_chunk(c: EngineChunk, request_class: str) -> pb.GenerateChunk:
     out = pb.GenerateChunk(request_id=c.request_id, token_ids=c.token_ids, text=c.text, finished=c.finished,
                            finish_reason=c.finish_reason, request_class=request_class)
     if c.finished:
-        out.usage.CopyFrom(pb.Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens))
+        out.usage.CopyFrom(_usage(c))
         out.speculation.CopyFrom(_spec_stats(c))
         out.timings.CopyFrom(pb.Timings(ttft_s=c.ttft_s, e2e_s=c.e2e_s))
     return out

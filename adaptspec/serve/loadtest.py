@@ -48,7 +48,7 @@ class RequestRecord:
     chunks: list[tuple[float, int]] = field(default_factory=list)  # (perf_counter, tokens) per chunk
     cut: bool = False  # cancelled at the end of the measured window (not an error)
     prompt_index: int = -1  # which prompt of its class's pool (bench_prompts)
-    cached_tokens: int = 0  # prompt tokens the engine's prefix cache served (in-process, when it says)
+    cached_tokens: int = 0  # prompt tokens the engine's prefix cache served (the last chunk's usage says)
 
     @property
     def tpot_s(self) -> float:
@@ -190,7 +190,7 @@ def one_request(client: Client, prompt: str, cls: str, spec: LoadSpec, timeout: 
                 stop_at: float = float("inf")) -> RequestRecord:
     """One streamed request; cancelled (``cut``) if it is still running at ``stop_at``."""
     t0 = time.perf_counter()
-    ttft, tokens, arms, chunks = 0.0, 0, {}, []
+    ttft, tokens, arms, chunks, cached = 0.0, 0, {}, [], 0
     try:
         call = client.stream(prompt, request_class=cls, max_tokens=spec.max_tokens,
                              temperature=spec.temperature, speculation=spec.arm, timeout=timeout)
@@ -203,6 +203,7 @@ def one_request(client: Client, prompt: str, cls: str, spec: LoadSpec, timeout: 
             tokens += len(chunk.token_ids)
             if chunk.finished:
                 arms = {a.arm: a.steps for a in chunk.speculation.arms}
+                cached = chunk.usage.cached_prompt_tokens
             elif now > stop_at:
                 call.cancel()
                 return RequestRecord(cls, ttft, now - t0, tokens, start_s=t0, chunks=chunks, cut=True)
@@ -210,7 +211,8 @@ def one_request(client: Client, prompt: str, cls: str, spec: LoadSpec, timeout: 
         code = getattr(exc, "code", lambda: None)()
         return RequestRecord(cls, 0.0, time.perf_counter() - t0, 0, error=str(code or exc), start_s=t0,
                              chunks=chunks)
-    return RequestRecord(cls, ttft, time.perf_counter() - t0, tokens, arms, start_s=t0, chunks=chunks)
+    return RequestRecord(cls, ttft, time.perf_counter() - t0, tokens, arms, start_s=t0, chunks=chunks,
+                         cached_tokens=cached)
 
 
 def run_level(client: Client, concurrency: "int | Arrivals", duration_s: float, spec: LoadSpec,

@@ -201,6 +201,7 @@ class EngineCore:
             st = out.stats
             if st is not None:
                 chunk.drafted, chunk.accepted, chunk.steps = st.drafted, st.accepted, st.steps
+                chunk.cached_prompt_tokens = int(st.cached_prompt_tokens or 0)
                 chunk.mean_accepted_length = st.mean_accepted_length
                 chunk.arms = dict(st.arms)
             chunk.ttft_s, chunk.e2e_s = out.ttft_s or 0.0, out.e2e_s or 0.0

@@ -157,10 +157,15 @@ def _omit_none(v) -> bool:
     return v is None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="prompt tokens the prefix cache served")
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = Field(None, exclude_if=_omit_none)
 
 
 class AdaptSpecInfo(BaseModel):
@@ -412,7 +417,8 @@ def _finish_reason(chunk: EngineChunk) -> str:
 
 def _usage(c: EngineChunk) -> Usage:
     return Usage(prompt_tokens=c.prompt_tokens, completion_tokens=c.completion_tokens,
-                 total_tokens=c.prompt_tokens + c.completion_tokens)
+                 total_tokens=c.prompt_tokens + c.completion_tokens,
+                 prompt_tokens_details=PromptTokensDetails(cached_tokens=c.cached_prompt_tokens) if c.finished else None)
 
 
 def _info(c: EngineChunk, request_class: str) -> AdaptSpecInfo:

@@ -45,6 +45,7 @@ class EngineChunk:
     finish_reason: str = ""
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # final chunk only: prompt tokens the prefix cache served
     drafted: int = 0
     accepted: int = 0
     steps: int = 0

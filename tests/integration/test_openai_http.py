@@ -329,6 +329,17 @@ def _hold(client: Client):
                                                request_class="plain"), metadata=client.data_metadata, timeout=120)
 
 
+def test_usage_reports_cached_prompt_tokens_as_openai_does(service):
+    """``usage.prompt_tokens_details.cached_tokens``: the second of two requests with the same
+    40-token prompt is served two full blocks (16 positions each) from the prefix cache; the
+    first none."""
+    oai = service["oai"]
+    prompt = " ".join(f"t{(j * 7 + j // 4) % 16}" for j in range(40))
+    got = [oai.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0) for _ in range(2)]
+    assert [g.usage.prompt_tokens for g in got] == [40, 40]
+    assert [g.usage.prompt_tokens_details.cached_tokens for g in got] == [0, 32]
+
+
 def test_full_queue_is_429(service):
     """Serve sends a replica no more calls than its engine holds (KV slots + queue); with the
     replica full, the proxy holds ``max_queued_requests`` (default: engine.max_queued) calls

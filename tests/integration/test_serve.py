@@ -106,6 +106,20 @@ def test_stream_yields_the_same_tokens(service, reference):
     assert "".join(c.text for c in chunks).split() == [f"t{t}" for t in tokens]
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_served(service):
+    """The same 40-token prompt twice: the second is served its full blocks (16 positions each)
+    from the prefix cache, and its usage says so; the first prefilled them (control: nothing
+    cached for a prompt no request sent before)."""
+    _, client = service
+    prompt = [(j * 5 + j // 3) % 16 for j in range(40)]
+    first = client.generate(prompt_token_ids=prompt, max_tokens=4, request_class="chat", timeout=60)
+    again = client.generate(prompt_token_ids=prompt, max_tokens=4, request_class="chat", timeout=60)
+    assert first.usage.cached_prompt_tokens == 0
+    assert again.usage.cached_prompt_tokens == 32 and again.usage.prompt_tokens == 40
+    chunks = list(client.stream(prompt_token_ids=prompt, max_tokens=4, request_class="chat", timeout=60))
+    assert chunks[-1].usage.cached_prompt_tokens == 32
+
+
 def test_32_concurrent_mixed_classes(service, reference):
     _, client = service
 
