@@ -478,10 +478,16 @@ class _Speculation:
 
 
 @dataclass(slots=True)
+class _Usage:
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(slots=True)
 class _HttpChunk:
     token_ids: list[int]
     finished: bool
     speculation: _Speculation
+    usage: _Usage = field(default_factory=_Usage)
 
 
 class HttpClient:
@@ -548,7 +554,7 @@ class HttpClient:
         if speculation is not None:
             raise ValueError("speculation: the HTTP API has no per-request arm (use --protocol grpc)")
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
-                "return_token_ids": True, "temperature": 0.0 if temperature is None else temperature}
+                "stream_options": {"include_usage": True}, "return_token_ids": True, "temperature": 0.0 if temperature is None else temperature}
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
         conn, resp = self._request("POST", "/v1/chat/completions", body,
@@ -571,6 +577,7 @@ class _HttpStream:
         self.client.drop(self.conn)
 
     def __iter__(self):
+        last = None  # the finishing chunk waits for the usage chunk right behind it (its cached tokens)
         try:
             for line in self.resp:
                 if not line.startswith(b"data: "):
@@ -578,16 +585,27 @@ class _HttpStream:
                 data = line[len(b"data: "):].strip()
                 if data == b"[DONE]":
                     self.resp.read()  # the end of the chunked body: the connection is reused
+                    if last is not None:
+                        yield last
                     return
                 event = json.loads(data)
                 if "error" in event:
                     raise HttpError(500, event["error"].get("message", ""))
                 if not event["choices"]:
+                    details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
+                    if last is not None:
+                        last.usage.cached_prompt_tokens = int(details.get("cached_tokens") or 0)
+                        yield last
+                        last = None
                     continue
                 choice = event["choices"][0]
                 finished = choice["finish_reason"] is not None
                 arms = [_ArmSteps(a, n) for a, n in (event.get("adaptspec") or {}).get("arms", {}).items()]
-                yield _HttpChunk(choice.get("token_ids") or [], finished, _Speculation(arms))
+                chunk = _HttpChunk(choice.get("token_ids") or [], finished, _Speculation(arms))
+                if finished:
+                    last = chunk
+                else:
+                    yield chunk
             raise HttpError(500, "the event stream ended without [DONE]")
         except BaseException:
             self.cancel()
