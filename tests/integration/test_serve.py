@@ -205,27 +205,29 @@ def _long(client: Client, **kw):
 def test_full_queue_is_resource_exhausted_and_cancel_frees_slots(service):
     _, client = service
     _wait_for(lambda: _idle(client), "an idle replica")
-    # the proxy does not keep call order, so which requests run and which wait is not known:
-    # wait for all of them to be in flight (400 tokens each: the config's limit, seconds of
-    # work) rather than reading from the "first" ones
     # Serve sends a replica no more calls than its engine holds (max_ongoing_requests =
     # max_num_seqs + max_queued) and the proxy then holds up to max_queued_requests (default
-    # max_queued) before refusing: fill both (stats calls would wait in that queue too)
-    streams = [_long(client) for _ in range(MAX_NUM_SEQS + 2 * MAX_QUEUED)]
-
-    def refused():  # a probe waiting in the proxy's queue times out: the queue is not full yet
-        # on a busy machine the proxy may take long enough to pass the calls on that the first
-        # streams end before the last arrive: keep the replica and the queue full
-        streams[:] = [s if not s.done() else _long(client) for s in streams]
-        try:
-            client.generate(prompt_token_ids=[1, 2], max_tokens=4, timeout=0.5)
-        except grpc.RpcError as e:
-            assert e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED), e.details()
-            return e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        return False  # a stream ended and the probe took its place
-    _wait_for(refused, "RESOURCE_EXHAUSTED once the replica and the proxy's queue are full")
-    for s in streams:
-        s.cancel()
+    # max_queued) before refusing: fill both with streams (400 tokens: the config's limit, a
+    # second or two here), then probe with a deadline long enough that a probe never leaves a
+    # place it took (one that times out client-side can, and open a place for the next). A probe
+    # that is served found a place open (a stream had ended): top the streams up and try again.
+    streams: list = []
+    refused = None
+    try:
+        for _ in range(20):
+            streams = [s for s in streams if not s.done()]
+            streams += [_long(client) for _ in range(MAX_NUM_SEQS + 2 * MAX_QUEUED - len(streams))]
+            time.sleep(0.2)  # they reach the replica and the proxy's queue
+            try:
+                client.generate(prompt_token_ids=[1, 2], max_tokens=4, timeout=30)
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (e.code(), e.details())
+                refused = e
+                break
+        assert refused is not None, "never RESOURCE_EXHAUSTED with the replica and the proxy's queue full"
+    finally:
+        for s in streams:
+            s.cancel()
     _wait_for(lambda: _idle(client), "cancelled requests to free their slots")
     assert client.generate(prompt_token_ids=[1, 2], max_tokens=4, timeout=30).token_ids
 
