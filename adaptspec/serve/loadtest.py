@@ -554,7 +554,8 @@ class HttpClient:
         if speculation is not None:
             raise ValueError("speculation: the HTTP API has no per-request arm (use --protocol grpc)")
         body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "stream": True,
-                "stream_options": {"include_usage": True}, "return_token_ids": True, "temperature": 0.0 if temperature is None else temperature}
+                "stream_options": {"include_usage": True}, "return_token_ids": True,
+                "temperature": 0.0 if temperature is None else temperature}
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
         conn, resp = self._request("POST", "/v1/chat/completions", body,
@@ -591,9 +592,9 @@ class _HttpStream:
                 event = json.loads(data)
                 if "error" in event:
                     raise HttpError(500, event["error"].get("message", ""))
-                if not event["choices"]:
-                    details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
+                if not event["choices"]:  # the usage chunk
                     if last is not None:
+                        details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
                         last.usage.cached_prompt_tokens = int(details.get("cached_tokens") or 0)
                         yield last
                         last = None
