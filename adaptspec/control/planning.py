@@ -42,6 +42,7 @@ class PlanningPolicy(Policy):
         self._dither = 0  # this step's: 0, +1 or -1
         self.capacity = np.inf  # the plan's capacity / demand seen, at the last plan (see Planner)
         self._busy_s = 0.0  # seconds of observed steps
+        self._steps_seen = 0  # observed steps
         self._planned_at = -np.inf
         self._backlog = False
         self._drafters = [d for d in self.config.drafters if d != "none"]
@@ -127,6 +128,7 @@ class PlanningPolicy(Policy):
     def observe(self, outcome: StepOutcome) -> None:
         self._busy_s += outcome.wall_s
         self._steps_since += 1
+        self._steps_seen += 1
         super().observe(outcome)
         # now and then a step with every class one k up (or down) together: the step-cost
         # model learns only the step shapes it sees, and a plan held for many steps shows it

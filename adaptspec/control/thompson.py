@@ -31,6 +31,10 @@ class ThompsonConfig:
     # simulator, busy time live), so a drafter that lost is tried again after a while; None:
     # only the per-step discount of the drafter that ran (a drafter that lost is never retried)
     fade_half_life_s: float | None = 60.0
+    # ... but never faster than half per this many observed steps: where a step takes seconds
+    # (a CPU replica, a loaded one) 60 s is a few dozen steps, the posteriors never hold more
+    # than that, and every plan's draw scatters the classes over arms that differ by noise
+    fade_min_steps: int = 500
     headroom: float = 1.25  # capacity sought beyond today's demand (see planner)
     replan_s: float = 0.5  # seconds of steps between plans (each one posterior draw)
     # ... or this many steps, whichever comes first: a plan is one posterior draw, and
@@ -109,7 +113,10 @@ class ModelBasedThompson(PlanningPolicy):
         self._row = {d: i for i, d in enumerate(self._drafters)}
         if self.ts.fade_half_life_s is not None and not self.ts.fade_half_life_s > 0:
             raise ValueError(f"fade_half_life_s: must be > 0 (or None: no fading), got {self.ts.fade_half_life_s}")
-        self._faded_at: dict[str, float] = {}  # per class: _busy_s its posterior was last faded to
+        if not self.ts.fade_min_steps >= 1:
+            raise ValueError(f"fade_min_steps: must be >= 1, got {self.ts.fade_min_steps}")
+        # per class: (_busy_s, _steps_seen) its posterior was last faded to
+        self._faded_at: dict[str, tuple[float, int]] = {}
 
     def _posterior(self, request_class: str) -> DiscountedBeta:
         post = self.posteriors.get(request_class)
@@ -120,17 +127,18 @@ class ModelBasedThompson(PlanningPolicy):
                 self.confidence[request_class] = ConfidenceModel(self.config.max_k, len(self._drafters), self.ts.discount)
             self.proposal[request_class] = DiscountedBeta(self.config.max_k, len(self._drafters), self.ts.discount,
                                                           prior_a=1.0, prior_b=0.0)
-            self._faded_at[request_class] = self._busy_s
+            self._faded_at[request_class] = (self._busy_s, self._steps_seen)
         elif self.ts.fade_half_life_s is not None:  # lazily: on the class's next update or read
-            dt = self._busy_s - self._faded_at[request_class]
-            if dt > 0:
-                f = 0.5 ** (dt / self.ts.fade_half_life_s)
+            t0, n0 = self._faded_at[request_class]
+            dt, dn = self._busy_s - t0, self._steps_seen - n0
+            if dt > 0 and dn > 0:
+                f = 0.5 ** min(dt / self.ts.fade_half_life_s, dn / self.ts.fade_min_steps)
                 post.fade(f)
                 self.proposal[request_class].fade(f)
                 conf = self.confidence.get(request_class)
                 if conf is not None:
                     conf.fade(f)
-                self._faded_at[request_class] = self._busy_s
+                self._faded_at[request_class] = (self._busy_s, self._steps_seen)
         return post
 
     def _acceptance(self, request_class: str, sample: bool):

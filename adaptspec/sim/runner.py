@@ -177,7 +177,8 @@ def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost:
     if isinstance(spec, ThompsonSpec):
         p = ModelBasedThompson(cfg, ThompsonConfig(
             discount=spec.discount, cost_discount=spec.cost_discount, margin=spec.margin, spread_z=spec.spread_z,
-            short_tokens=spec.short_tokens, fade_half_life_s=spec.fade_half_life_s, headroom=spec.headroom,
+            short_tokens=spec.short_tokens, fade_half_life_s=spec.fade_half_life_s,
+            fade_min_steps=spec.fade_min_steps, headroom=spec.headroom,
             replan_s=spec.replan_s, replan_steps=spec.replan_steps, demand_half_life_s=spec.demand_half_life_s,
             explore=spec.explore),
             prior_cost=cost if spec.seed_cost_from_profile else None)

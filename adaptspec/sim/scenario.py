@@ -259,6 +259,7 @@ class ThompsonSpec(_PolicyBase):
     fade_half_life_s: float | None = Field(
         60.0, gt=0, description="seconds of steps in which every drafter's acceptance evidence loses half its "
                                 "weight (a drafter that lost is tried again); null: no fading")
+    fade_min_steps: int = Field(500, ge=1, description="... but never faster than half per this many steps")
     seed_cost_from_profile: bool = Field(False, description="seed the cost model with the hardware profile")
     headroom: float = Field(1.25, ge=1, description="capacity the plan seeks beyond the demand seen")
     replan_s: float = Field(0.5, gt=0, description="seconds of steps between plans (one posterior draw each)")

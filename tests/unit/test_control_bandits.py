@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from adaptspec.control import (
-    DiscountedUCB, GroupOutcome, Load, ModelBasedThompson, PolicyConfig, StepOutcome, ThompsonConfig, UCBConfig,
+    Arm, DiscountedUCB, GroupOutcome, Load, ModelBasedThompson, PolicyConfig, StepOutcome, ThompsonConfig, UCBConfig,
 )
 from adaptspec.sim.acceptance import BernoulliAcceptance, PositionAcceptance, mean_accepted_length
 from adaptspec.control.gpu_profiles import builtin_profile
@@ -124,10 +124,11 @@ def test_a_drafter_that_lost_is_tried_again_only_with_fading(fade):
     """The draft model is useless for both classes for 300 steps (thompson settles on n-gram),
     then excellent for chat. Discounting only the drafter that ran never looks at the draft
     again (the control); fading every drafter's evidence by step time (half-life 1 s of steps
-    here, a step is ~20 ms) tries it again and keeps it. (Both classes start bad: with the
+    here, a step is ~20 ms; no step floor, ``fade_min_steps=1``) tries it again and keeps it.
+    (Both classes start bad: with the
     joint plan, a class that never tried the draft explores it, and a class whose draft
     forward another class already pays for tries it almost for free.)"""
-    policy = ModelBasedThompson(PolicyConfig(("ngram", "draft"), 8, (), seed=3), ThompsonConfig(fade_half_life_s=fade))
+    policy = ModelBasedThompson(PolicyConfig(("ngram", "draft"), 8, (), seed=3), ThompsonConfig(fade_half_life_s=fade, fade_min_steps=1))
     before, after = 300, 600
     history = run(policy, (CHAT_DRAFT_BAD, CHAT_DRAFT_BAD), (CHAT_DRAFT_BAD, CHAT_DRAFT_GOOD), before + after, before)
     assert sum(b.drafter == "draft" for _, b in history[before - 100:before]) <= 10  # settled off the draft
@@ -136,3 +137,39 @@ def test_a_drafter_that_lost_is_tried_again_only_with_fading(fade):
         assert tail.count("draft") <= 10, "without fading the draft was retried"
     else:
         assert tail.count("draft") >= 90, f"the draft was not taken back: {tail.count('draft')} of 100"
+
+
+def _weight_kept(fade_min_steps: int, step_s: float, idle_steps: int = 100) -> float:
+    """The share of chat's n-gram evidence (beyond the prior) left after ``idle_steps`` steps of
+    ``step_s`` seconds that carry only the other class."""
+    policy = ModelBasedThompson(PolicyConfig(("ngram", "draft"), 8, ()),
+                                ThompsonConfig(fade_half_life_s=60.0, fade_min_steps=fade_min_steps))
+    arm = Arm("ngram", 4)
+    hist = np.array([2, 3, 1, 1, 1])
+
+    def step(cls):
+        policy.observe(StepOutcome(N, 0, N * 5, N * CTX, 0.0, step_s, 0.0, step_s,
+                                   [GroupOutcome(cls, arm, hist, 7 + N)]))
+
+    def weight():
+        post = policy._posterior("chat")
+        return float(post.a[0, 0] + post.b[0, 0] - post.prior_a - post.prior_b)
+
+    for _ in range(50):
+        step("chat")
+    before = weight()
+    for _ in range(idle_steps):
+        step("code")
+    return weight() / before
+
+
+def test_evidence_fades_by_time_but_never_faster_than_the_step_floor():
+    """Evidence halves per ``fade_half_life_s`` of steps, but never faster than per
+    ``fade_min_steps`` steps: where a step takes 2 s (a CPU replica), 60 s is 30 steps, and
+    without the floor the posteriors hold a few dozen steps and every plan's draw scatters
+    the classes over arms that differ by noise (cpu_bench_calibrated, issue #25)."""
+    # 100 steps of 2 s = 200 s: 3.3 half-lives by time, 0.2 by the 500-step floor
+    assert _weight_kept(500, 2.0) == pytest.approx(0.5 ** (100 / 500), rel=1e-9)
+    assert _weight_kept(1, 2.0) == pytest.approx(0.5 ** (200 / 60), rel=1e-9)  # the control: time alone
+    # fast steps (20 ms: 100 steps = 2 s) fade by time, slower than the floor would
+    assert _weight_kept(500, 0.02) == pytest.approx(0.5 ** (2.0 / 60), rel=1e-9)

@@ -71,6 +71,34 @@ def test_a_tpot_target_limits_the_load_a_class_is_served_at():
     assert hopeless.class_capacity[0, 0] == pytest.approx(hopeless.capacity[0])
 
 
+class Stepped:
+    """A verify table measured on a shared CPU: one token 0.66 s, two to five 1.48 s (more
+    than twice one), six and more 1.62 s (simulations/cpu-profile.json's shape)."""
+
+    def step_time(self, verify, context, draft, ngram, mean_context):
+        return np.interp(np.asarray(verify, dtype=float), [1, 2, 5, 6, 20], [0.66, 1.48, 1.48, 1.62, 1.62])
+
+
+def test_capacity_is_read_past_a_dip_of_the_step_cost_curve():
+    """Where one token costs 0.66 s and two 1.48 s, the load a step sustains (u / T) falls
+    between them; a long arm crosses that dip at a fifth of a request and then serves four
+    requests of five tokens each in 1.62 s. Its capacity is where the replica's four places
+    fill (theta = 4 L / (w T)), not the top of the first rising run (the planner fed the true
+    models put every class on no speculation on cpu_bench_calibrated)."""
+    table = ArmTable.build(("draft",), 4)
+    d4 = table.index(Arm("draft", 4))
+    w = 1.0  # tokens per second
+    x = PlanInputs(["c"], _curves(table, [0.5]), np.array([w]), 0.0, 0.0, 0.0, False)
+    s = Planner(table, {}, max_num_seqs=4).evaluate(np.array([[d4], [0]]), x, Stepped())
+    L4 = float(accepted_length_curve(np.full(4, 0.5))[4])
+    # the case has a dip before the peak (under the first rising run's rule it would decide)
+    peak = int(np.argmax(s.theta0))
+    assert (np.diff(s.theta0[: peak + 1]) < 0).any()
+    assert s.capacity[0] == pytest.approx(4 * L4 / (w * 1.62), rel=0.03)
+    assert s.capacity[1] == pytest.approx(4 * 1.0 / (w * 1.48), rel=0.03)
+    assert s.capacity[0] > 1.5 * s.capacity[1]
+
+
 def test_with_requests_waiting_the_plan_maximises_capacity():
     # two classes; draft:2 has less capacity (see the closed form) but emits more per step.
     # Light load: both keep the demand, the step's goodput decides (draft:2). Backlog: capacity
