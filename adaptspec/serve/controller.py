@@ -105,6 +105,7 @@ class ControlCore:
         return make_policy(name, drafters=self.drafters, max_k=self.max_k, targets=self.targets,
                            seed=self.config.controller.seed, prior_cost=self.prior_cost,
                            fade_half_life_s=self.config.controller.fade_half_life_s,
+                           fade_min_steps=self.config.controller.fade_min_steps,
                            thresholds=tuple(self.config.controller.confidence_thresholds), field=field_name)
 
     # ---- replicas ------------------------------------------------------------------------

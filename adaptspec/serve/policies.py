@@ -18,16 +18,17 @@ log = logging.getLogger("adaptspec.serve.policies")
 
 
 def make_policy(name: str, *, drafters: tuple[str, ...], max_k: int, targets: tuple[ClassTarget, ...] = (),
-                seed: int = 0, prior_cost=None, fade_half_life_s: float | None = 60.0,
+                seed: int = 0, prior_cost=None, fade_half_life_s: float | None = 60.0, fade_min_steps: int = 500,
                 thresholds: tuple[float, ...] = (), field: str = "policy") -> Policy:
     """Build a policy by name; ValueError names ``field`` on a bad name. ``prior_cost``: a
-    ``StepCostModel`` seeding the model-based policy; ``fade_half_life_s``: its evidence fading
-    (``ThompsonConfig.fade_half_life_s``)."""
+    ``StepCostModel`` seeding the model-based policy; ``fade_half_life_s``, ``fade_min_steps``: its
+    evidence fading (``ThompsonConfig``)."""
     cfg = PolicyConfig(drafters=tuple(drafters), max_k=max_k, targets=targets, seed=seed, thresholds=tuple(thresholds))
     base, _, rest = name.partition(":")
     best = "draft" if "draft" in drafters else drafters[0]
     if base == "thompson":
-        return ModelBasedThompson(cfg, ThompsonConfig(fade_half_life_s=fade_half_life_s), prior_cost=prior_cost)
+        return ModelBasedThompson(cfg, ThompsonConfig(fade_half_life_s=fade_half_life_s, fade_min_steps=fade_min_steps),
+                                  prior_cost=prior_cost)
     if base == "ucb":
         return DiscountedUCB(cfg)
     if base == "ema":

@@ -322,7 +322,8 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
                     if opts.fresh or key not in policies:
                         policies[key] = make_policy(name, drafters=cfg.drafters, max_k=cfg.controller.max_k,
                                                     targets=targets, seed=cfg.controller.seed + seed,
-                                                    prior_cost=prior, fade_half_life_s=cfg.controller.fade_half_life_s)
+                                                    prior_cost=prior, fade_half_life_s=cfg.controller.fade_half_life_s,
+                                                    fade_min_steps=cfg.controller.fade_min_steps)
                         if opts.snapshots:
                             policies[key] = SnapshotPolicy(policies[key], list(opts.classes),
                                                            cfg.controller.report_interval_s, gap)
@@ -381,6 +382,7 @@ def scenario_yaml(opts: FidelityOptions, cfg, profile: str, recording, recording
             pols.append({"kind": "static", "drafter": d or "none", "k": int(k or 0)})
         elif base == "thompson":
             pols.append({"kind": "thompson", "fade_half_life_s": cfg.controller.fade_half_life_s,
+                         "fade_min_steps": cfg.controller.fade_min_steps,
                          "seed_cost_from_profile": cfg.controller.cost_profile is not None})
         elif base == "ucb":
             pols.append({"kind": "ucb"})

@@ -58,12 +58,22 @@ def test_unknown_app_arg_is_refused():
     ({"classes": [{"name": "a", "pin": {"drafter": "none", "k": 3}}]}, "k"),
     ({"classes": [{"name": "a"}, {"name": "a"}]}, "classes"),
     ({"modles": {}}, "modles"),
+    ({"controller": {"fade_min_steps": 0}}, "fade_min_steps"),
     ({"placement": "disaggregated", "models": {"draft": None}}, "placement"),
     ({"placement": "disaggregated", "models": {"draft": "smollm2-135m-draft"}}, "draft head"),
 ])
 def test_bad_config_names_the_field(data, field):
     with pytest.raises(ValueError, match=rf"\b{field}\b"):  # the word, not letters inside another
         ServiceConfig.model_validate(data)
+
+
+def test_the_controller_fading_settings_reach_the_policy():
+    from adaptspec.serve.policies import make_policy
+
+    c = ServiceConfig.model_validate({"controller": {"fade_half_life_s": 30.0, "fade_min_steps": 200}}).controller
+    p = make_policy("thompson", drafters=("ngram",), max_k=4, fade_half_life_s=c.fade_half_life_s,
+                    fade_min_steps=c.fade_min_steps)
+    assert (p.ts.fade_half_life_s, p.ts.fade_min_steps) == (30.0, 200)
 
 
 def test_default_class_is_always_there():
