@@ -88,15 +88,19 @@ class ProfileFile(BaseModel):
     probe: SpeedProbeRef | None = Field(None, description="the calibration's speed probes (absent in older "
                                                           "profiles)")
 
-    def scaled(self, factor: float) -> "ProfileFile":
+    def scaled(self, factor: float, prompt_factor: float | None = None) -> "ProfileFile":
         """The same profile with every time field (``TIME_FIELDS``) times ``factor``: the
-        machine ``factor`` times slower (> 1) or faster; limits, token counts and notes as they were."""
-        if not (math.isfinite(factor) and factor > 0):
-            raise ValueError(f"scaled: factor must be a positive number, got {factor!r}")
+        machine ``factor`` times slower (> 1) or faster; limits, token counts and notes as they
+        were. ``prompt_factor``: the prompt table (``prefill_s``) times this instead (its own
+        measurement, e.g. a prompt probe's)."""
+        for name, f in (("factor", factor), ("prompt_factor", factor if prompt_factor is None else prompt_factor)):
+            if not (math.isfinite(f) and f > 0):
+                raise ValueError(f"scaled: {name} must be a positive number, got {f!r}")
         update = {}
         for name in TIME_FIELDS:
+            f = prompt_factor if name == "prefill_s" and prompt_factor is not None else factor
             v = getattr(self, name)
-            update[name] = [x * factor for x in v] if isinstance(v, list) else v * factor
+            update[name] = [x * f for x in v] if isinstance(v, list) else v * f
         return self.model_copy(update=update)
 
     @model_validator(mode="after")

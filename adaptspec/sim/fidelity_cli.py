@@ -62,8 +62,8 @@ def fidelity(
     probe: bool = typer.Option(True, "--probe/--no-probe",
                                help="speed-probe the live engine right before and after every run and simulate "
                                     "the run on the profile's time costs times live probe / calibration probe "
-                                    "(the machine's speed drifts between minutes); with --resimulate: use the "
-                                    "probes on file"),
+                                    "(the machine's speed drifts between minutes), its prompt table times its own "
+                                    "prompt probe / the table; with --resimulate: use the probes on file"),
     cache_replay: bool = typer.Option(True, "--cache-replay/--no-cache-replay",
                                       help="simulate each run's prompts less the prompt tokens the prefix cache "
                                            "served its live run (no: every run less each prompt's median over all "
@@ -143,6 +143,11 @@ def _report(console, cells, goal_list, meta, out: Path) -> None:
         console.print(f"speed factor (live probe / calibration probe, > 1: the live engine was slower), "
                       f"{sp['probed_runs']} runs: min {sp['min']:.3f}, median {sp['median']:.3f}, max {sp['max']:.3f}; "
                       + ("applied to the simulated step costs per run" if sp.get("applied") else "not applied"))
+    pp = meta.get("prompt_speed") or {}
+    if pp.get("probed_runs") and "median" in pp:
+        console.print(f"prompt factor (live prompt passes / the profile's prompt table), {pp['probed_runs']} runs: "
+                      f"min {pp['min']:.3f}, median {pp['median']:.3f}, max {pp['max']:.3f}; applied to the "
+                      "simulated prompt passes per run")
     if sp.get("calibration_drift") is not None:
         console.print(f"calibration's own drift (end probe / start probe): {sp['calibration_drift']:.3f}")
     for n in meta["notes"]:

@@ -229,21 +229,23 @@ class StepLog:
 def _live_levels(opts: FidelityOptions, spec, console, *, current, switch, run_one,
                  step_log: StepLog | None = None, probe=None) -> tuple[dict, list]:
     """Every (level, policy) run, interleaved as the load test does; returns
-    {(policy, level label): [Run]} and the load test's summaries. ``probe()``: a speed probe
-    of the (idle) engine, taken right before and right after every run (``Run.probe``)."""
+    {(policy, level label): [Run]} and the load test's summaries. ``probe()``: (speed probe,
+    prompt probe) of the (idle) engine, taken right before and right after every run
+    (``Run.probe``: "before"/"after" and "prompt_before"/"prompt_after"; either may be None)."""
     from adaptspec.serve.cli import _interleaved_levels
     from adaptspec.serve.loadtest import as_arrivals
 
     runs: dict[tuple[str, str], list[Run]] = {}
 
     def capture(n):
-        before = probe() if probe is not None else None
+        before, p_before = probe() if probe is not None else (None, None)
         got, window = run_one(n)  # returns with the engine idle: what is still running is aborted
-        after = probe() if probe is not None else None
+        after, p_after = probe() if probe is not None else (None, None)
         steps = step_log.inside(window.start_s, window.end_s) if step_log is not None else (0, 0.0, 0.0)
         runs.setdefault((current(), as_arrivals(n).label), []).append(
             Run(rows_from_records(got), (window.start_s, window.end_s), *steps,
-                probe=None if probe is None else {"before": before, "after": after}))
+                probe=None if probe is None else {"before": before, "after": after,
+                                                  "prompt_before": p_before, "prompt_after": p_after}))
         if step_log is not None:
             step_log.clear(current())
         return got, window
@@ -280,14 +282,17 @@ def _sim_level(level) -> SimLevel:
 
 
 def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_set, console=None,
-                 host_gap: dict | None = None, speed: dict | None = None, run_prompts: dict | None = None) -> dict:
+                 host_gap: dict | None = None, speed: dict | None = None, run_prompts: dict | None = None,
+                 prompt_speed: dict | None = None) -> dict:
     """{(policy, level label): ([Run], {class: {arm: steps}})}: every (level, policy) as the
     live run had them, ``rounds`` runs each (an adaptive policy carries what it learned from
     run to run unless ``fresh``, as the live controller does), for each of ``sim_seeds``
     seeds. ``host_gap``: {policy: (a, b)}, ``"*"`` for any other policy (``host_gaps``).
     ``speed``: {(policy, level label): [speed factor of each live run]} (``speed_factors``):
     round r is simulated on ``cost``'s time costs times live run r's factor (a run without
-    one: the mean of the others'; none at all: 1). ``run_prompts``: {(policy, level label):
+    one: the mean of the others'; none at all: 1). ``prompt_speed``: the same for the prompt
+    table alone (``prompt_factors``; a run without one: the mean of the others', none at all:
+    the run's speed factor). ``run_prompts``: {(policy, level label):
     [prompt set of live round r]} (``cache_replay``); round r of every seed takes round r's
     set, a run without one ``prompt_set``."""
     from adaptspec.control import ClassTarget
@@ -311,13 +316,17 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
             factors = list((speed or {}).get((name, arr.label), []))
             known = [f for f in factors if math.isfinite(f) and f > 0]
             fallback = float(np.mean(known)) if known else 1.0
+            pfs = list((prompt_speed or {}).get((name, arr.label), []))
+            p_known = [f for f in pfs if math.isfinite(f) and f > 0]
+            p_fallback = float(np.mean(p_known)) if p_known else None
             runs, arms = [], {}
             sets = list((run_prompts or {}).get((name, arr.label), []))
             for seed in range(opts.sim_seeds):
                 for r in range(opts.rounds):
                     ps = sets[r] if r < len(sets) else prompt_set
                     f = factors[r] if r < len(factors) and math.isfinite(factors[r]) and factors[r] > 0 else fallback
-                    run_cost = cost if f == 1.0 else ProfileCostModel(cost.profile.scaled(f))
+                    fp = pfs[r] if r < len(pfs) and math.isfinite(pfs[r]) and pfs[r] > 0 else p_fallback
+                    run_cost = cost if f == 1.0 and fp is None else ProfileCostModel(cost.profile.scaled(f, fp))
                     key = (name, seed)
                     if opts.fresh or key not in policies:
                         policies[key] = make_policy(name, drafters=cfg.drafters, max_k=cfg.controller.max_k,
@@ -468,17 +477,21 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     svc.engine.step_listeners.append(recorder.observe_step)
     probe = None
     if opts.probe:
-        from adaptspec.sim.speed_probe import speed_probe
+        from adaptspec.sim.speed_probe import prompt_probe, speed_probe
 
         speed_probe(svc.engine)  # untimed: a fresh engine's first passes are slow
+        prompt_probe(svc.engine, repeats=1)
 
         def probe():
-            try:
-                return speed_probe(svc.engine)
-            except Exception as e:  # a failed probe costs that run its factor, not the measurement
-                console.print(f"[yellow]speed probe failed ({e}); this run takes its level's other runs' "
-                              "factor[/yellow]")
-                return None
+            got = []
+            for what, fn in (("speed", speed_probe), ("prompt", prompt_probe)):
+                try:
+                    got.append(fn(svc.engine))
+                except Exception as e:  # a failed probe costs that run its factor, not the measurement
+                    console.print(f"[yellow]{what} probe failed ({e}); this run takes its level's other runs' "
+                                  "factor[/yellow]")
+                    got.append(None)
+            return tuple(got)
     live = {"in-process": _live_levels(opts, spec, console, current=svc.policy,
                                        switch=lambda p, reset: svc.update_policy(p, reset=reset),
                                        run_one=lambda n: svc.run_level(n, opts.duration_s, spec,
@@ -581,6 +594,44 @@ def speed_factors(live: dict, profile, enabled: bool = True) -> tuple[dict, dict
     return factors, meta, []
 
 
+def prompt_factors(live: dict, profile, enabled: bool = True) -> tuple[dict, dict]:
+    """Each run's prompt factor (``speed_probe.prompt_factor`` of the mean of its prompt probes
+    before and after against ``profile``'s prompt table): {(policy, level label): [factor per
+    run]} (nan: not probed) and the meta's ``prompt_speed`` entry. The first path with prompt
+    probes gives them (as ``speed_factors``); nothing to go by: {} (the prompt table then
+    moves with the run's speed factor)."""
+    from adaptspec.sim.speed_probe import mean_probe, probe_to_json, prompt_factor, summary
+
+    meta: dict = {"applied": False, "table_s": None}
+    if getattr(profile, "prefill_tokens", None):
+        meta["table_s"] = probe_to_json(dict(zip((int(x) for x in profile.prefill_tokens), profile.prefill_s)))
+    if not enabled or meta["table_s"] is None:
+        return {}, meta
+    has = lambda r: r.probe and (r.probe.get("prompt_before") or r.probe.get("prompt_after"))  # noqa: E731
+    probed = next((runs for runs in live.values() if any(has(r) for rs in runs.values() for r in rs)), None)
+    if probed is None:
+        return {}, meta
+    factors: dict = {}
+    per_run = []
+    for (policy, level), rs in probed.items():
+        fs = []
+        for i, r in enumerate(rs):
+            f = math.nan
+            if has(r):
+                now = mean_probe(r.probe.get("prompt_before"), r.probe.get("prompt_after"))
+                f = prompt_factor(now, profile)
+                per_run.append({"policy": policy, "level": level, "round": i,
+                                "before_s": probe_to_json(r.probe.get("prompt_before")),
+                                "after_s": probe_to_json(r.probe.get("prompt_after")),
+                                "factor": None if math.isnan(f) else f})
+            fs.append(f)
+        factors[(policy, level)] = fs
+    meta.update(summary([f for fs in factors.values() for f in fs]))
+    meta["per_run"] = per_run
+    meta["applied"] = True
+    return factors, meta
+
+
 def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recording, prompt_set, cost,
                         gap: dict, meta: dict, console, ps_rows=None) -> tuple[list[Cell], list, dict]:
     """The simulated side of every (level, policy) and the comparison: ``fidelity.json``,
@@ -594,16 +645,17 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     class_specs = [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes]
     used_gap = gap if opts.host_gap else {}
     speed, speed_meta, speed_notes = speed_factors(live, cost.profile, opts.probe)
+    prompt_speed, prompt_meta = prompt_factors(live, cost.profile, opts.probe)
     notes = [*notes, *speed_notes]
     run_prompts, served = cache_replay(ps_rows, live, list(opts.classes)) if opts.cache_replay and ps_rows \
         else ({}, {})
     sim = simulate_all(cfg, opts, cost, truths, class_specs, prompt_set, host_gap=used_gap, speed=speed,
-                       run_prompts=run_prompts)
+                       run_prompts=run_prompts, prompt_speed=prompt_speed)
     cells = []
     for path, runs in live.items():
         cells += compare(path, runs, sim, list(opts.classes))
     goal_list = goals(cells)
-    meta = {**meta, "notes": notes, "speed": speed_meta,
+    meta = {**meta, "notes": notes, "speed": speed_meta, "prompt_speed": prompt_meta,
             "host_gap": {p: {"a_s": a, "per_request_s": b} for p, (a, b) in used_gap.items()},
             "sim_snapshots_s": cfg.controller.report_interval_s if opts.snapshots else None,
             "cache_replay": {f"{p} {lv}": [None if math.isnan(x) else round(x, 2) for x in v]

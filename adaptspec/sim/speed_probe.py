@@ -10,8 +10,14 @@ engine at its start and end (the profile's reference); ``adaptspec fidelity`` pr
 live engine right before and after every live run, and simulates that run on the profile's
 time costs times the run's speed factor (live probe / reference).
 
+A prompt probe (``prompt_probe``) times one-request prompt passes of fresh prompts at a few
+lengths the same way: a calibration's prompt table drifts apart from its decode steps (one
+calibration priced 8/16/32-token passes 40% above the three before it while its decode probes
+moved 19%), and a run's first tokens follow its prompt passes, so each live run gets its own
+prompt factor (``prompt_factor``: live pass / the profile's prompt table).
+
 ``speed_probe`` imports no torch itself (it drives the engine it is given); the rest is
-arithmetic on probe dicts {batch size: seconds}.
+arithmetic on probe dicts {batch size (or prompt length): seconds}.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ import math
 import numpy as np
 
 PROBE_BATCHES = (1, 8)
+PROMPT_LENGTHS = (8, 16, 32)  # what a chat prompt leaves to prefill past the prefix cache, mostly
 
 
 def _prompts(n: int, tokens: int, vocab: int) -> list[list[int]]:
@@ -77,6 +84,50 @@ def speed_probe(engine, batch_sizes: tuple[int, ...] = PROBE_BATCHES, steps: int
     finally:
         engine.step_listeners = saved
     return out
+
+
+def prompt_probe(engine, lengths: tuple[int, ...] = PROMPT_LENGTHS, repeats: int = 3,
+                 seed: int | None = None) -> dict[int, float]:
+    """{prompt length: median seconds of a one-request pass that prefills a fresh prompt of that
+    many tokens (verify + draft + other, the engine's timers)}, ``repeats`` passes each, as
+    ``adaptspec calibrate`` times its prompt table. Fresh token ids every call (``seed``: None
+    draws one), so no pass is served by the prefix cache. The engine must be idle; its step
+    listeners never see the passes. A length over the step's token budget is left out."""
+    from adaptspec.sim.calibrate import _prompt_passes
+
+    if engine.has_unfinished():
+        raise ValueError("prompt_probe: the engine has unfinished requests (probe an idle engine)")
+    if repeats < 1:
+        raise ValueError(f"prompt_probe: repeats must be >= 1, got {repeats}")
+    budget = int(getattr(engine.config, "max_num_batched_tokens", 0) or max(lengths))
+    rng = np.random.default_rng(seed)
+    saved = engine.step_listeners
+    engine.step_listeners = []
+    out: dict[int, float] = {}
+    try:
+        for n in sorted({int(x) for x in lengths if 1 <= int(x) <= budget}):
+            got = _prompt_passes(engine, n, repeats, rng, int(engine.target.vocab_size))
+            if got:
+                out[n] = float(np.median([g.verify_s + g.draft_s + g.other_s for g in got]))
+    finally:
+        engine.step_listeners = saved
+    return out
+
+
+def prompt_factor(live: dict[int, float], profile) -> float:
+    """The geometric mean over the probed lengths of a live prompt pass (beyond the profile's
+    step overhead, as the prompt table is) / the profile's prompt table there; nan without a
+    table or a probe. Like ``speed_factor``, one level correction for the whole table."""
+    xs, ys = list(getattr(profile, "prefill_tokens", None) or []), list(getattr(profile, "prefill_s", None) or [])
+    if not xs or not live:
+        return math.nan
+    r = []
+    for n, t in sorted(live.items()):
+        ref = float(np.interp(n, xs, ys))
+        now = t - float(profile.step_overhead_s)
+        if ref > 0 and now > 0:
+            r.append(math.log(now / ref))
+    return float(math.exp(np.mean(r))) if r else math.nan
 
 
 def repeatability(readings: list[dict[int, float]]) -> dict[int, dict[str, float]]:

@@ -402,6 +402,11 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
     saved = json.loads((out / "live_runs.json").read_text())
     assert saved["version"] == 2 and all(r["probe"]["before"] and r["speed_factor"] > 0
                                          for r in saved["live"]["in-process"])
+    # prompt probes beside them (the calibration has a prompt table): a prompt factor per run
+    ps = data["meta"]["prompt_speed"]
+    assert ps["applied"] and ps["probed_runs"] == len(ps["per_run"]) == 4
+    assert all(r["factor"] > 0 and set(r["before_s"]) == {"8", "16", "32"} for r in ps["per_run"])
+    assert redo["meta"]["prompt_speed"]["per_run"] == ps["per_run"]
     res = CliRunner().invoke(app, ["fidelity", "--config", str(cfg), "--resimulate", str(out), "--out",
                                    str(tmp_path / "noprobe"), "--no-probe"])
     assert res.exit_code == 0, res.output
@@ -579,6 +584,58 @@ def test_a_speed_factor_of_two_halves_a_static_policys_simulated_throughput():
     # a run without a factor takes the mean of the others' (here 2: both rounds at half speed)
     half, _ = simulate_all(cfg, opts, cost, truths, specs, prompts, speed={key: [float("nan"), 2.0]})[key]
     assert side_metrics([half[0]], None).throughput == pytest.approx(tput[1])
+
+
+def test_a_prompt_factor_moves_the_simulated_first_token_alone():
+    """With a prompt table, round 1 at prompt factor 3 (its prompt probes said so) pays three
+    times the prompt passes: its TTFT rises by twice the table's price of the prompts; with
+    the speed factor at 1 its decode steps, hence TPOT, stay. Control: without prompt factors
+    both rounds alike; a run without one takes the others' mean."""
+    from adaptspec.control.costs import ProfileCostModel
+    from adaptspec.sim.fidelity_run import simulate_all
+
+    cfg, opts, cost, truths, specs, prompts = _speed_setup(rounds=2)
+    cost = ProfileCostModel(cost.profile.model_copy(update={"prefill_tokens": [8.0, 64.0],
+                                                            "prefill_s": [0.020, 0.080]}))
+    key = ("static:none:0", "c=1")
+    runs, _ = simulate_all(cfg, opts, cost, truths, specs, prompts, speed={key: [1.0, 1.0]},
+                           prompt_speed={key: [1.0, 3.0]})[key]
+    m = [side_metrics([r], None) for r in runs]
+    assert m[1].ttft_p50 > 1.8 * m[0].ttft_p50
+    assert m[1].tpot_p50 == pytest.approx(m[0].tpot_p50, rel=0.02)
+    plain, _ = simulate_all(cfg, opts, cost, truths, specs, prompts, speed={key: [1.0, 1.0]})[key]
+    p = [side_metrics([r], None) for r in plain]
+    assert p[0].ttft_p50 == pytest.approx(m[0].ttft_p50) and p[1].ttft_p50 == pytest.approx(p[0].ttft_p50, rel=0.02)
+    mean, _ = simulate_all(cfg, opts, cost, truths, specs, prompts, speed={key: [1.0, 1.0]},
+                           prompt_speed={key: [float("nan"), 3.0]})[key]
+    assert side_metrics([mean[0]], None).ttft_p50 == pytest.approx(m[1].ttft_p50)
+
+
+def test_prompt_factors_from_the_runs_prompt_probes(tmp_path):
+    """A run's prompt factor is the mean of its prompt probes before and after against the
+    profile's prompt table; it survives the live file; runs without prompt probes (older
+    files) or a profile without a table give none."""
+    from adaptspec.sim.fidelity_run import load_live, prompt_factors, save_live
+
+    _, _, cost, *_ = _speed_setup(rounds=1)
+    prof = cost.profile.model_copy(update={"prefill_tokens": [8.0, 32.0], "prefill_s": [0.020, 0.050]})
+    probe = {"before": {1: 0.018}, "after": {1: 0.018}, "prompt_before": {8: 0.041, 32: 0.101},
+             "prompt_after": {8: 0.021, 32: 0.101}}
+    run = Run(_rows(0.1, 0.02, 3), (0.0, 10.0), probe=probe)
+    old = Run(_rows(0.1, 0.02, 3), (0.0, 10.0), probe={"before": {1: 0.018}, "after": {1: 0.018}})
+    live = {"in-process": {("static:none:0", "c=1"): [run, old]}}
+    factors, meta = prompt_factors(live, prof)
+    want = math.sqrt((0.030 / 0.020) * (0.100 / 0.050))  # 1.5 at 8 tokens, 2.0 at 32 (beyond the 1 ms overhead)
+    got = factors[("static:none:0", "c=1")]
+    assert got[0] == pytest.approx(want) and math.isnan(got[1])
+    assert meta["applied"] and meta["probed_runs"] == 1 and meta["table_s"] == {"8": 0.020, "32": 0.050}
+    save_live(tmp_path / "live.json", live, prof)
+    back = load_live(tmp_path / "live.json")
+    assert prompt_factors(back, prof)[0][("static:none:0", "c=1")][0] == pytest.approx(want)
+    assert prompt_factors({"in-process": {("static:none:0", "c=1"): [old]}}, prof) == ({}, {"applied": False,
+                                                                                          "table_s": meta["table_s"]})
+    assert prompt_factors(live, cost.profile)[0] == {}  # no prompt table
+    assert prompt_factors(live, prof, enabled=False)[0] == {}
 
 
 def test_speed_factors_from_probes_and_old_live_files_without_them(tmp_path):

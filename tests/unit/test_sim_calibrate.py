@@ -268,6 +268,58 @@ def test_speed_probe_times_decode_steps_and_leaves_the_engine_idle_and_its_liste
         speed_probe(eng)
 
 
+def test_prompt_probe_times_fresh_prompt_passes_and_leaves_the_engine_idle_and_its_listeners_blind(tiny_dir):
+    """One-request passes of fresh prompts at each length (none served by the prefix cache,
+    though every call prefills the same lengths); a length over the step's token budget is
+    left out; the engine is idle after and its listeners heard nothing. Control: the speed
+    probe's fixed prompts do hit the cache the second time."""
+    from adaptspec import Engine, SamplingParams
+
+    from adaptspec.sim.speed_probe import prompt_probe, speed_probe
+
+    eng = Engine.from_pretrained(target=str(tiny_dir), dtype="float32", device="cpu", max_num_seqs=4,
+                                 max_model_len=256, max_num_batched_tokens=64)
+    heard = []
+    eng.step_listeners.append(heard.append)
+    hits = eng.pool.hits
+    first = prompt_probe(eng, lengths=(8, 32, 100), repeats=2)
+    second = prompt_probe(eng, lengths=(8, 32), repeats=2)
+    assert set(first) == {8, 32} and set(second) == {8, 32}
+    assert all(s > 0 for s in (*first.values(), *second.values()))
+    assert eng.pool.hits == hits  # fresh ids every pass: nothing was served from the cache
+    assert not eng.has_unfinished() and not eng.requests and heard == []
+    speed_probe(eng, batch_sizes=(1,), steps=1)
+    before = eng.pool.hits
+    speed_probe(eng, batch_sizes=(1,), steps=1)
+    assert eng.pool.hits > before  # the control: the speed probe's fixed prompt is served again
+    out = eng.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, ignore_eos=True), raw=True)
+    assert len(out[0].token_ids) == 2 and heard
+    eng.add_request([5, 6, 7], SamplingParams(max_new_tokens=3), raw=True)
+    with pytest.raises(ValueError, match="idle"):
+        prompt_probe(eng)
+
+
+def test_prompt_factor_is_live_passes_over_the_profiles_prompt_table():
+    import math
+
+    from adaptspec.control.costs import ProfileFile
+    from adaptspec.sim.speed_probe import prompt_factor
+
+    prof = ProfileFile(name="t", verify_tokens=[1.0], verify_s=[0.01], step_overhead_s=0.001,
+                       prefill_tokens=[8.0, 32.0], prefill_s=[0.020, 0.050])
+    # beyond the 1 ms overhead: 8 tokens 0.030 / 0.020 = 1.5; 16 (the table there: 0.030) 1.0; 32: 0.5
+    got = prompt_factor({8: 0.031, 16: 0.031, 32: 0.026}, prof)
+    assert got == pytest.approx(math.exp((math.log(1.5) + math.log(1.0) + math.log(0.5)) / 3))
+    assert math.isnan(prompt_factor({}, prof))
+    assert math.isnan(prompt_factor({8: 0.03}, prof.model_copy(update={"prefill_tokens": [], "prefill_s": []})))
+    # the profile scaled with its own prompt factor: the prompt table moves alone
+    s = prof.scaled(2.0, prompt_factor=0.5)
+    assert s.verify_s == [0.02] and s.prefill_s == pytest.approx([0.010, 0.025])
+    assert prof.scaled(2.0).prefill_s == pytest.approx([0.040, 0.100])
+    with pytest.raises(ValueError, match="prompt_factor"):
+        prof.scaled(1.0, prompt_factor=0.0)
+
+
 def test_repeatability_summarises_back_to_back_probes_and_the_cli_refuses_bad_options_by_name():
     """Three probes at batch 1 (10, 12, 14 ms) and two at batch 8: median, range and the
     coefficient of variation (population sd / mean). Control: identical readings give CV 0."""
