@@ -281,9 +281,8 @@ def _capacity(u: np.ndarray, T: np.ndarray, theta: np.ndarray, slack: np.ndarray
     token counts, as one measured on a shared CPU does, makes ``u / T`` fall there), a load
     above the dip's top grows the queue through the dip to the point that serves it. The
     first rising run stopped there and priced a long arm's capacity at a fraction of a plain
-    step's (issue #25: the planner fed the true models put every class on no speculation on
-    cpu_bench_calibrated and kept 31% of requests within their SLOs where n-gram k = 8 kept
-    92%). For a curve that rises, saturates and falls the two agree."""
+    step's, so a planner with the true models chose no speculation where it paid (issue #25,
+    simulations/REPORT.md). For a curve that rises, saturates and falls the two agree."""
     R, U = T.shape
     feas = np.logical_and.accumulate(slack >= 0, axis=1)
     rows = np.arange(R)

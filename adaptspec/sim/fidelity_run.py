@@ -281,6 +281,15 @@ def _sim_level(level) -> SimLevel:
     return SimLevel(clients=arr.clients, think_s=arr.think_s, think=arr.think)
 
 
+def _round_factors(factors: list[float], default: float | None):
+    """round r -> live run r's factor; a run without a usable one: the mean of the others', none
+    at all: ``default``."""
+    ok = lambda f: math.isfinite(f) and f > 0  # noqa: E731
+    known = [f for f in factors if ok(f)]
+    fallback = float(np.mean(known)) if known else default
+    return lambda r: factors[r] if r < len(factors) and ok(factors[r]) else fallback
+
+
 def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_set, console=None,
                  host_gap: dict | None = None, speed: dict | None = None, run_prompts: dict | None = None,
                  prompt_speed: dict | None = None) -> dict:
@@ -313,19 +322,14 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
             lv.arrivals_s = arr.times(opts.warmup_s + opts.duration_s)  # the live run's arrival times
         for name in opts.policies:
             gap = (host_gap or {}).get(name, (host_gap or {}).get("*", (0.0, 0.0)))
-            factors = list((speed or {}).get((name, arr.label), []))
-            known = [f for f in factors if math.isfinite(f) and f > 0]
-            fallback = float(np.mean(known)) if known else 1.0
-            pfs = list((prompt_speed or {}).get((name, arr.label), []))
-            p_known = [f for f in pfs if math.isfinite(f) and f > 0]
-            p_fallback = float(np.mean(p_known)) if p_known else None
+            factor = _round_factors((speed or {}).get((name, arr.label), []), 1.0)
+            p_factor = _round_factors((prompt_speed or {}).get((name, arr.label), []), None)
             runs, arms = [], {}
             sets = list((run_prompts or {}).get((name, arr.label), []))
             for seed in range(opts.sim_seeds):
                 for r in range(opts.rounds):
                     ps = sets[r] if r < len(sets) else prompt_set
-                    f = factors[r] if r < len(factors) and math.isfinite(factors[r]) and factors[r] > 0 else fallback
-                    fp = pfs[r] if r < len(pfs) and math.isfinite(pfs[r]) and pfs[r] > 0 else p_fallback
+                    f, fp = factor(r), p_factor(r)
                     run_cost = cost if f == 1.0 and fp is None else ProfileCostModel(cost.profile.scaled(f, fp))
                     key = (name, seed)
                     if opts.fresh or key not in policies:
@@ -554,7 +558,7 @@ def speed_factors(live: dict, profile, enabled: bool = True) -> tuple[dict, dict
     gives the factors (the gRPC path's engine runs in another process: its cells are
     compared with the simulation at the in-process runs' speeds). Nothing to go by (disabled,
     no probes on file, a profile without a probe): no factors, i.e. factor 1."""
-    from adaptspec.sim.speed_probe import mean_probe, probe_to_json, speed_factor, speed_ratios, summary
+    from adaptspec.sim.speed_probe import probe_to_json, speed_factor, speed_ratios, summary
 
     ref_file = getattr(profile, "probe", None)
     ref = ref_file.reference() if ref_file is not None else None
@@ -569,29 +573,44 @@ def speed_factors(live: dict, profile, enabled: bool = True) -> tuple[dict, dict
     if ref is None:
         return {}, meta, ["the profile has no speed probe (calibrated before probes were taken): every run "
                           "simulated at the calibration's speed (factor 1)"]
-    probed = next((runs for runs in live.values() if any(r.probe for rs in runs.values() for r in rs)), None)
-    if probed is None:
+    got = _run_factors(live, "before", "after", lambda now: speed_factor(now, ref),
+                       lambda now: {"ratio_by_batch": probe_to_json(speed_ratios(now, ref))})
+    if got is None:
         return {}, meta, ["the live runs have no speed probes (measured before probes were taken): every run "
                           "simulated at the calibration's speed (factor 1)"]
-    factors: dict = {}
-    for (policy, level), rs in probed.items():
-        fs = []
-        for i, r in enumerate(rs):
-            if not r.probe:
-                fs.append(math.nan)
-                continue
-            now = mean_probe(r.probe["before"], r.probe["after"])
-            f = speed_factor(now, ref)
-            fs.append(f)
-            meta["per_run"].append({"policy": policy, "level": level, "round": i,
-                                    "before_s": probe_to_json(r.probe["before"]),
-                                    "after_s": probe_to_json(r.probe["after"]),
-                                    "ratio_by_batch": probe_to_json(speed_ratios(now, ref)),
-                                    "factor": None if math.isnan(f) else f})
-        factors[(policy, level)] = fs
+    factors, meta["per_run"] = got
     meta.update(summary([f for fs in factors.values() for f in fs]))
     meta["applied"] = True
     return factors, meta, []
+
+
+def _run_factors(live: dict, before: str, after: str, factor, extra=None) -> tuple[dict, list] | None:
+    """{(policy, level label): [``factor`` of the mean of each run's ``Run.probe[before]`` and
+    ``[after]`` (nan: the run has neither)]} and a record per probed run (its probes,
+    ``extra(mean)``, its factor), from the first path whose runs carry such probes (the gRPC
+    path's engine runs in another process and is not probed); None when no path does."""
+    from adaptspec.sim.speed_probe import mean_probe, probe_to_json
+
+    has = lambda r: bool(r.probe) and bool(r.probe.get(before) or r.probe.get(after))  # noqa: E731
+    probed = next((runs for runs in live.values() if any(has(r) for rs in runs.values() for r in rs)), None)
+    if probed is None:
+        return None
+    factors: dict = {}
+    per_run = []
+    for (policy, level), rs in probed.items():
+        fs = []
+        for i, r in enumerate(rs):
+            if not has(r):
+                fs.append(math.nan)
+                continue
+            now = mean_probe(r.probe.get(before), r.probe.get(after))
+            f = factor(now)
+            fs.append(f)
+            per_run.append({"policy": policy, "level": level, "round": i,
+                            "before_s": probe_to_json(r.probe.get(before)), "after_s": probe_to_json(r.probe.get(after)),
+                            **(extra(now) if extra is not None else {}), "factor": None if math.isnan(f) else f})
+        factors[(policy, level)] = fs
+    return factors, per_run
 
 
 def prompt_factors(live: dict, profile, enabled: bool = True) -> tuple[dict, dict]:
@@ -600,32 +619,17 @@ def prompt_factors(live: dict, profile, enabled: bool = True) -> tuple[dict, dic
     run]} (nan: not probed) and the meta's ``prompt_speed`` entry. The first path with prompt
     probes gives them (as ``speed_factors``); nothing to go by: {} (the prompt table then
     moves with the run's speed factor)."""
-    from adaptspec.sim.speed_probe import mean_probe, probe_to_json, prompt_factor, summary
+    from adaptspec.sim.speed_probe import probe_to_json, prompt_factor, summary
 
     meta: dict = {"applied": False, "table_s": None}
     if getattr(profile, "prefill_tokens", None):
         meta["table_s"] = probe_to_json(dict(zip((int(x) for x in profile.prefill_tokens), profile.prefill_s)))
     if not enabled or meta["table_s"] is None:
         return {}, meta
-    has = lambda r: r.probe and (r.probe.get("prompt_before") or r.probe.get("prompt_after"))  # noqa: E731
-    probed = next((runs for runs in live.values() if any(has(r) for rs in runs.values() for r in rs)), None)
-    if probed is None:
+    got = _run_factors(live, "prompt_before", "prompt_after", lambda now: prompt_factor(now, profile))
+    if got is None:
         return {}, meta
-    factors: dict = {}
-    per_run = []
-    for (policy, level), rs in probed.items():
-        fs = []
-        for i, r in enumerate(rs):
-            f = math.nan
-            if has(r):
-                now = mean_probe(r.probe.get("prompt_before"), r.probe.get("prompt_after"))
-                f = prompt_factor(now, profile)
-                per_run.append({"policy": policy, "level": level, "round": i,
-                                "before_s": probe_to_json(r.probe.get("prompt_before")),
-                                "after_s": probe_to_json(r.probe.get("prompt_after")),
-                                "factor": None if math.isnan(f) else f})
-            fs.append(f)
-        factors[(policy, level)] = fs
+    factors, per_run = got
     meta.update(summary([f for fs in factors.values() for f in fs]))
     meta["per_run"] = per_run
     meta["applied"] = True

@@ -11,10 +11,9 @@ live engine right before and after every live run, and simulates that run on the
 time costs times the run's speed factor (live probe / reference).
 
 A prompt probe (``prompt_probe``) times one-request prompt passes of fresh prompts at a few
-lengths the same way: a calibration's prompt table drifts apart from its decode steps (one
-calibration priced 8/16/32-token passes 40% above the three before it while its decode probes
-moved 19%), and a run's first tokens follow its prompt passes, so each live run gets its own
-prompt factor (``prompt_factor``: live pass / the profile's prompt table).
+lengths the same way: a calibration's prompt table can drift apart from its decode steps
+(simulations/FIDELITY.md), and a run's first tokens follow its prompt passes, so each live run
+gets its own prompt factor (``prompt_factor``: live pass / the profile's prompt table).
 
 ``speed_probe`` imports no torch itself (it drives the engine it is given); the rest is
 arithmetic on probe dicts {batch size (or prompt length): seconds}.
@@ -115,19 +114,14 @@ def prompt_probe(engine, lengths: tuple[int, ...] = PROMPT_LENGTHS, repeats: int
 
 
 def prompt_factor(live: dict[int, float], profile) -> float:
-    """The geometric mean over the probed lengths of a live prompt pass (beyond the profile's
-    step overhead, as the prompt table is) / the profile's prompt table there; nan without a
-    table or a probe. Like ``speed_factor``, one level correction for the whole table."""
+    """``speed_factor`` of a live prompt probe (beyond the profile's step overhead, as the prompt
+    table is) against the profile's prompt table at the probed lengths; nan without a table or
+    a probe. One level correction for the whole table."""
     xs, ys = list(getattr(profile, "prefill_tokens", None) or []), list(getattr(profile, "prefill_s", None) or [])
-    if not xs or not live:
+    if not xs:
         return math.nan
-    r = []
-    for n, t in sorted(live.items()):
-        ref = float(np.interp(n, xs, ys))
-        now = t - float(profile.step_overhead_s)
-        if ref > 0 and now > 0:
-            r.append(math.log(now / ref))
-    return float(math.exp(np.mean(r))) if r else math.nan
+    over = float(profile.step_overhead_s)
+    return speed_factor({n: t - over for n, t in live.items()}, {n: float(np.interp(n, xs, ys)) for n in live})
 
 
 def repeatability(readings: list[dict[int, float]]) -> dict[int, dict[str, float]]:
