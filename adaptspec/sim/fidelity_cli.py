@@ -64,6 +64,10 @@ def fidelity(
                                     "the run on the profile's time costs times live probe / calibration probe "
                                     "(the machine's speed drifts between minutes), its prompt table times its own "
                                     "prompt probe / the table; with --resimulate: use the probes on file"),
+    prompt_probe: bool = typer.Option(True, "--prompt-probe/--no-prompt-probe",
+                                      help="with --probe: also time prompt passes around every run and price the "
+                                           "run's at its own factor (no: prompt passes at the run's speed factor; "
+                                           "with --resimulate: ignore the prompt probes on file)"),
     cache_replay: bool = typer.Option(True, "--cache-replay/--no-cache-replay",
                                       help="simulate each run's prompts less the prompt tokens the prefix cache "
                                            "served its live run (no: every run less each prompt's median over all "
@@ -86,7 +90,8 @@ def fidelity(
             raise ValueError("--out: give another folder than --resimulate (its report stays as it was measured)")
         cells, goal_list, meta = resim(resimulate, out, console, config=config, host_gap=host_gap,
                                        snapshots=snapshots, sim_seeds=sim_seeds if sim_seeds > 1 else None,
-                                       profile=profile, probe=probe, cache_replay=cache_replay)
+                                       profile=profile, probe=probe, prompt_probe=prompt_probe,
+                                       cache_replay=cache_replay)
         _report(console, cells, goal_list, meta, out)
         return
     levels = load_levels(concurrency, "", think_time=think_time, think=think, seed=arrival_seed) if concurrency else []
@@ -103,7 +108,7 @@ def fidelity(
                            calibrate_batch=_ints(calibrate_batch, "--calibrate-batch"),
                            calibrate_ks=_ints(calibrate_ks, "--calibrate-ks"), sim_seeds=sim_seeds, grpc=grpc,
                            torch_threads=torch_threads, host_gap=host_gap, snapshots=snapshots, probe=probe,
-                           cache_replay=cache_replay, out=out)
+                           prompt_probe=prompt_probe, cache_replay=cache_replay, out=out)
     if not opts.classes:
         raise ValueError("--classes: at least one class")
     if profile and not Path(profile).is_file():

@@ -56,6 +56,7 @@ class FidelityOptions:
     host_gap: bool = True  # simulate the host's time between engine steps as measured live
     snapshots: bool = True  # the simulated policy's arms from snapshots, as a live replica's
     probe: bool = True  # speed-probe the live engine around each run; simulate it at that speed
+    prompt_probe: bool = True  # with probe: also time prompt passes; price each run's at its own factor
     cache_replay: bool = True  # each simulated run prefills what the prefix cache left its live run
     drain_s: float = 120.0
     grpc: bool = False
@@ -483,19 +484,20 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     if opts.probe:
         from adaptspec.sim.speed_probe import prompt_probe, speed_probe
 
-        speed_probe(svc.engine)  # untimed: a fresh engine's first passes are slow
-        prompt_probe(svc.engine, repeats=1)
+        probes = [("speed", speed_probe)] + ([("prompt", prompt_probe)] if opts.prompt_probe else [])
+        for _, fn in probes:  # untimed: a fresh engine's first passes are slow
+            fn(svc.engine)
 
         def probe():
             got = []
-            for what, fn in (("speed", speed_probe), ("prompt", prompt_probe)):
+            for what, fn in probes:
                 try:
                     got.append(fn(svc.engine))
                 except Exception as e:  # a failed probe costs that run its factor, not the measurement
                     console.print(f"[yellow]{what} probe failed ({e}); this run takes its level's other runs' "
                                   "factor[/yellow]")
                     got.append(None)
-            return tuple(got)
+            return got[0], got[1] if len(got) > 1 else None
     live = {"in-process": _live_levels(opts, spec, console, current=svc.policy,
                                        switch=lambda p, reset: svc.update_policy(p, reset=reset),
                                        run_one=lambda n: svc.run_level(n, opts.duration_s, spec,
@@ -649,7 +651,7 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     class_specs = [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes]
     used_gap = gap if opts.host_gap else {}
     speed, speed_meta, speed_notes = speed_factors(live, cost.profile, opts.probe)
-    prompt_speed, prompt_meta = prompt_factors(live, cost.profile, opts.probe)
+    prompt_speed, prompt_meta = prompt_factors(live, cost.profile, opts.probe and opts.prompt_probe)
     notes = [*notes, *speed_notes]
     run_prompts, served = cache_replay(ps_rows, live, list(opts.classes)) if opts.cache_replay and ps_rows \
         else ({}, {})
@@ -731,7 +733,7 @@ def load_live(path: Path) -> dict:
 
 def resimulate(src: Path, out: Path, console, *, config: str | None = None, host_gap: bool = True,
                snapshots: bool = True, sim_seeds: int | None = None,
-               profile: str | None = None, probe: bool = True,
+               profile: str | None = None, probe: bool = True, prompt_probe: bool = True,
                cache_replay: bool = True) -> tuple[list[Cell], list, dict]:
     """The simulated side again, against the live runs a fidelity run left in ``src``
     (``live_runs.json``, ``acceptance.json``, ``prompt_set.csv``, its profile): for a changed
@@ -765,7 +767,7 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
                            classes=list(meta["classes"]), max_tokens=meta["max_tokens"], duration_s=meta["duration_s"],
                            warmup_s=meta["warmup_s"], rounds=meta["rounds"], profile=profile or meta["profile"],
                            sim_seeds=sim_seeds or meta["sim_seeds"], host_gap=host_gap, snapshots=snapshots,
-                           probe=probe, cache_replay=cache_replay, out=Path(out))
+                           probe=probe, prompt_probe=prompt_probe, cache_replay=cache_replay, out=Path(out))
     if profile is not None:
         meta = {**meta, "profile": str(profile), "profile_measured": meta["profile"]}
     profile = Path(meta["profile"])

@@ -408,6 +408,11 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
     assert all(r["factor"] > 0 and set(r["before_s"]) == {"8", "16", "32"} for r in ps["per_run"])
     assert redo["meta"]["prompt_speed"]["per_run"] == ps["per_run"]
     res = CliRunner().invoke(app, ["fidelity", "--config", str(cfg), "--resimulate", str(out), "--out",
+                                   str(tmp_path / "noprompt"), "--no-prompt-probe"])
+    assert res.exit_code == 0, res.output
+    np_meta = json.loads((tmp_path / "noprompt" / "fidelity.json").read_text())["meta"]
+    assert np_meta["speed"]["applied"] and not np_meta["prompt_speed"]["applied"]
+    res = CliRunner().invoke(app, ["fidelity", "--config", str(cfg), "--resimulate", str(out), "--out",
                                    str(tmp_path / "noprobe"), "--no-probe"])
     assert res.exit_code == 0, res.output
     off = json.loads((tmp_path / "noprobe" / "fidelity.json").read_text())["meta"]
