@@ -199,13 +199,16 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
 
 def _prompt_passes(engine, length: int, repeats: int, rng, vocab: int) -> list[StepSample]:
     """``repeats`` timed passes that each prefill one fresh prompt of ``length`` tokens on an
-    idle engine (and decode nothing: the request ends at its first token)."""
+    idle engine. Each request asks for two tokens and is aborted after its pass: a request
+    that ended at its first token would skip what the pass costs every live request, which
+    goes on decoding (a draft head reading the prompt's features in the commit phase, a few
+    ms a pass on the CPU; a table without it made simulated TTFT short)."""
     from adaptspec import SamplingParams, SpecConfig
 
     out = []
     lo, hi = (100, vocab - 100) if vocab > 400 else (0, vocab)
     for _ in range(repeats):
-        rid = engine.add_request(rng.integers(lo, hi, length).tolist(), SamplingParams(max_new_tokens=1, ignore_eos=True),
+        rid = engine.add_request(rng.integers(lo, hi, length).tolist(), SamplingParams(max_new_tokens=2, ignore_eos=True),
                                  SpecConfig("none", 0), raw=True)
         engine.step()
         st = engine.last_step

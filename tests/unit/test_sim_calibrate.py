@@ -299,6 +299,36 @@ def test_prompt_probe_times_fresh_prompt_passes_and_leaves_the_engine_idle_and_i
         prompt_probe(eng)
 
 
+def test_prompt_passes_time_requests_that_go_on_decoding_as_live_requests_do(tiny_dir):
+    """A live request goes on past its prompt pass, so its pass pays the commit work of a
+    continuing request (a draft head reads the prompt's features there); a prompt table timed
+    on requests that end at their first token left that out and made simulated TTFT short.
+    Every timed pass is of a request still running when the pass ends (then aborted: the
+    engine is idle after). Control: a request asking for one token has finished by then."""
+    from adaptspec import Engine, SamplingParams, SpecConfig
+
+    from adaptspec.sim.calibrate import _prompt_passes
+
+    eng = Engine.from_pretrained(target=str(tiny_dir), dtype="float32", device="cpu", max_num_seqs=4,
+                                 max_model_len=256, max_num_batched_tokens=64)
+    running_at_abort, abort = [], eng.abort
+
+    def spy(rid):
+        running_at_abort.append(rid in eng.requests and not eng.requests[rid].finished)
+        return abort(rid)
+
+    eng.abort = spy
+    got = _prompt_passes(eng, 16, 3, np.random.default_rng(0), int(eng.target.vocab_size))
+    assert len(got) == 3 and all(g.drafter == "prompt" and g.verify_tokens == 16 for g in got)
+    assert running_at_abort == [True] * 3
+    assert not eng.has_unfinished() and not eng.requests
+    eng.abort = abort
+    rid = eng.add_request([t % 16 for t in range(16)], SamplingParams(max_new_tokens=1, ignore_eos=True),
+                          SpecConfig("none", 0), raw=True)
+    eng.step()
+    assert rid not in eng.requests  # the control: asking for one token, it ended in its pass
+
+
 def test_prompt_factor_is_live_passes_over_the_profiles_prompt_table():
     import math
 
