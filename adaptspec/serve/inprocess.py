@@ -75,6 +75,8 @@ class InProcessService:
         self.cost_checks: dict[str, CostCheck] = {}
         self.decode: dict[tuple[str, str], list[float]] = {}  # (policy, level label) -> [tokens, seconds]
         self.step_walls: dict[int, list[float]] = {}  # id(decode tally) -> wall seconds of its measured steps
+        # request id -> its prompt's index in its class's pool (an acceptance recorder keys on it)
+        self.prompt_of: dict[str, int] = {}
 
     def policy(self) -> str:
         return self.core.policy_name
@@ -109,6 +111,7 @@ class InProcessService:
                 prompt = with_context(prompt, counter, spec.prompt_tokens)
             counter += 1
             rid = eng.add_request(prompt, params, _spec(snap.arm_for(cls), self.drafters), request_class=cls)
+            self.prompt_of[rid] = idx
             records[rid] = RequestRecord(cls, 0.0, 0.0, 0, start_s=due, prompt_index=idx)
 
         offsets = arr.times(warmup_s + duration_s) if arr.open else np.zeros(arr.clients)  # before the clock

@@ -49,6 +49,9 @@ class DrafterRecord(BaseModel):
     joint: dict[int, list[list[int]]] = Field(description="k asked for -> H[m][j]: request-steps that proposed m "
                                                           "candidates and kept j of them")
     confidence: ConfidenceRecord | None = Field(None, description="by draft confidence, when the engine reports it")
+    by_prompt: dict[int, dict[int, list[list[int]]]] | None = Field(
+        None, description="prompt (index in its class's prompt pool) -> k asked for -> H[m][j], when the recorder "
+                          "knew each request's prompt")
 
     def accepted_hist(self, k: int) -> np.ndarray:
         return np.asarray(self.joint[k], dtype=np.int64).sum(axis=0)
@@ -77,6 +80,7 @@ class AcceptanceFile(BaseModel):
 @dataclass(slots=True)
 class _Counts:
     joint: dict[int, np.ndarray] = field(default_factory=dict)
+    by_prompt: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)
     seen: np.ndarray | None = None  # [positions, bins]
     accepted: np.ndarray = field(default_factory=lambda: np.zeros(CONF_BINS, dtype=np.int64))
     rejected: np.ndarray = field(default_factory=lambda: np.zeros(CONF_BINS, dtype=np.int64))
@@ -86,12 +90,27 @@ def _bins(c) -> np.ndarray:
     return np.minimum((np.clip(np.asarray(c, dtype=float), 0.0, 1.0) * CONF_BINS).astype(np.int64), CONF_BINS - 1)
 
 
-class AcceptanceRecorder:
-    """Counts (proposed, accepted) per (class, drafter, k) from engine step stats."""
+def _count(joint: dict[int, np.ndarray], k: int, m: int, j: int) -> None:
+    h = joint.get(k)
+    if h is None:
+        h = joint[k] = np.zeros((k + 1, k + 1), dtype=np.int64)
+    h[m, j] += 1
 
-    def __init__(self) -> None:
+
+class AcceptanceRecorder:
+    """Counts (proposed, accepted) per (class, drafter, k) from engine step stats.
+
+    ``prompt_of``: request id -> the index of its prompt in its class's prompt pool (None:
+    unknown). With it the counts are also kept per prompt: acceptance is a property of the
+    text more than of its class (n-gram lookup keeps 2-3 tokens a step on a prompt whose
+    answer copies it and none on the next), and a replay that gives every request its class's
+    mean acceptance makes every request alike, which moves the median TPOT though not the
+    mean throughput."""
+
+    def __init__(self, prompt_of=None) -> None:
         self._counts: dict[tuple[str, str], _Counts] = {}
         self.steps = 0
+        self.prompt_of = prompt_of
 
     def observe_step(self, step) -> None:
         """``step``: an engine ``StepStats`` (its ``requests`` carry class, drafter, k, drafted,
@@ -102,16 +121,17 @@ class AcceptanceRecorder:
                 continue
             self.observe(r.request_class, r.drafter, r.k, r.drafted, r.accepted,
                          getattr(r, "draft_confidence", None) or None,
-                         float(getattr(r, "min_confidence", 0.0) or 0.0))
+                         float(getattr(r, "min_confidence", 0.0) or 0.0),
+                         prompt=None if self.prompt_of is None else self.prompt_of(r.request_id))
 
     def observe(self, request_class: str, drafter: str, k: int, drafted: int, accepted: int,
-                confidence=None, threshold: float = 0.0) -> None:
+                confidence=None, threshold: float = 0.0, prompt: int | None = None) -> None:
         c = self._counts.setdefault((request_class, drafter), _Counts())
-        h = c.joint.get(k)
-        if h is None:
-            h = c.joint[k] = np.zeros((k + 1, k + 1), dtype=np.int64)
         m = min(max(drafted, 0), k)
-        h[m, min(max(accepted, 0), m)] += 1
+        j = min(max(accepted, 0), m)
+        _count(c.joint, k, m, j)
+        if prompt is not None and prompt >= 0:
+            _count(c.by_prompt.setdefault(int(prompt), {}), k, m, j)
         if confidence is not None and m > 0:
             b = _bins(list(confidence)[:m])
             if threshold <= 0:
@@ -133,8 +153,9 @@ class AcceptanceRecorder:
             if c.seen is not None or c.accepted.any() or c.rejected.any():
                 conf = ConfidenceRecord(seen=[] if c.seen is None else c.seen.tolist(), accepted=c.accepted.tolist(),
                                         rejected=c.rejected.tolist())
+            by_prompt = {p: {k: h.tolist() for k, h in sorted(j.items())} for p, j in sorted(c.by_prompt.items())}
             classes.setdefault(cls, {})[drafter] = DrafterRecord(
-                joint={k: h.tolist() for k, h in sorted(c.joint.items())}, confidence=conf)
+                joint={k: h.tolist() for k, h in sorted(c.joint.items())}, confidence=conf, by_prompt=by_prompt or None)
         return AcceptanceFile(source=source, classes=classes)
 
 
@@ -183,10 +204,16 @@ def _extend(p: np.ndarray, K: int) -> np.ndarray:
 
 @dataclass(slots=True)
 class RecordedAcceptance:
-    """Replays a recording (see the module's docstring): ``joint[k] = H[m, j]``."""
+    """Replays a recording (see the module's docstring): ``joint[k] = H[m, j]``.
+
+    ``by_prompt``: the same per prompt (its index in the class's prompt pool). Given each
+    request's prompt, a request whose prompt holds ``min_steps`` request-steps at the k asked
+    for, or as many over k's up to it or deeper (pooled over them), is replayed from its own
+    recording, any other from the class's."""
 
     joint: dict[int, np.ndarray]
     min_steps: int = 30
+    by_prompt: dict[int, "RecordedAcceptance"] = field(default_factory=dict)
     _ask: np.ndarray = field(init=False)  # conditional acceptance per position of asking
     _there: np.ndarray = field(init=False)  # chance a candidate is proposed at p, given p - 1 were
     _keep: np.ndarray = field(init=False)  # acceptance of a proposed candidate at p, given p - 1 kept
@@ -208,7 +235,9 @@ class RecordedAcceptance:
 
     @classmethod
     def from_record(cls, rec: DrafterRecord, min_steps: int = 30) -> "RecordedAcceptance":
-        return cls({k: np.array(v) for k, v in rec.joint.items()}, min_steps)
+        per = {int(p): cls({k: np.array(v) for k, v in j.items()}, min_steps) for p, j in (rec.by_prompt or {}).items()}
+        return cls({k: np.array(v) for k, v in rec.joint.items()}, min_steps,
+                   {p: m for p, m in per.items() if m.steps >= min_steps})
 
     @property
     def steps(self) -> int:
@@ -226,7 +255,44 @@ class RecordedAcceptance:
         """(chance a candidate is there, acceptance of a proposed one) per position."""
         return _extend(self._there, K), _extend(self._keep, K)
 
-    def sample(self, k: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    def _covers(self, k: int) -> bool:
+        return self._enough(k) is not None or (self.steps >= self.min_steps and max(self.joint, default=0) >= k)
+
+    def _by_prompt(self, k: int, prompts) -> list[tuple[np.ndarray | None, "RecordedAcceptance"]]:
+        """(rows or None for all, the model that replays them): the rows of each prompt whose
+        recording covers ``k`` from it, the rest from the class's."""
+        if prompts is None or not self.by_prompt:
+            return [(None, self)]
+        prompts = np.asarray(prompts)
+        own = {int(p): self.by_prompt[int(p)] for p in np.unique(prompts)
+               if int(p) in self.by_prompt and self.by_prompt[int(p)]._covers(k)}
+        rest = ~np.isin(prompts, list(own)) if own else np.ones(prompts.size, dtype=bool)
+        out = [(np.flatnonzero(prompts == p), m) for p, m in own.items()]
+        return out + ([(np.flatnonzero(rest), self)] if rest.any() else [])
+
+    def sample(self, k: int, n: int, rng: np.random.Generator, prompts=None) -> np.ndarray:
+        """[n] accepted of ``k`` asked; ``prompts``: [n] each request's prompt (see the class)."""
+        parts = self._by_prompt(k, prompts)
+        if parts[0][0] is None:
+            return parts[0][1]._sample(k, n, rng)
+        out = np.zeros(n, dtype=np.int64)
+        for rows, m in parts:
+            out[rows] = m._sample(k, rows.size, rng)
+        return out
+
+    def sample_proposed(self, k: int, n: int, rng: np.random.Generator,
+                        prompts=None) -> tuple[np.ndarray, np.ndarray]:
+        """[n] candidates proposed and [n] of them accepted, asking for ``k``; ``prompts``: [n]
+        each request's prompt (see the class)."""
+        parts = self._by_prompt(k, prompts)
+        if parts[0][0] is None:
+            return parts[0][1]._sample_proposed(k, n, rng)
+        proposed, accepted = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
+        for rows, m in parts:
+            proposed[rows], accepted[rows] = m._sample_proposed(k, rows.size, rng)
+        return proposed, accepted
+
+    def _sample(self, k: int, n: int, rng: np.random.Generator) -> np.ndarray:
         h = self._enough(k)
         if h is not None:
             hist = h.sum(axis=0)
@@ -234,8 +300,7 @@ class RecordedAcceptance:
         ok = rng.random((n, k)) < self.position_probs(k)
         return np.cumprod(ok, axis=1).sum(axis=1)
 
-    def sample_proposed(self, k: int, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
-        """[n] candidates proposed and [n] of them accepted, asking for ``k``."""
+    def _sample_proposed(self, k: int, n: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         h = self._enough(k)
         if h is not None:
             flat = rng.choice(h.size, size=n, p=(h / h.sum()).ravel())
@@ -268,6 +333,8 @@ def recorded_model(spec, base: Path, where: str, request_class: str | None, draf
         have = [f"{c}/{x}" for c, per in data.classes.items() for x in per]
         raise ValueError(f"{where}: {path} has no recording of class {cls!r} with drafter {d!r} (it has {have})")
     model = RecordedAcceptance.from_record(rec, spec.min_steps)
+    if not spec.per_prompt or cls != request_class:  # another class's prompt indices name other prompts
+        model.by_prompt = {}
     if model.steps == 0:
         raise ValueError(f"{where}: {path} holds no request-steps of class {cls!r} with drafter {d!r}")
     return model

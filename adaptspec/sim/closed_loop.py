@@ -89,8 +89,9 @@ class RequestSource:
         self.active = np.flatnonzero(w > 0)
         self.count = 0
 
-    def take(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(class_idx, prompt_tokens, output_tokens), each [n]."""
+    def take(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(class_idx, prompt_tokens, output_tokens, prompt_idx), each [n]; prompt_idx: which
+        prompt of its class's prompt set (-1 without one)."""
         idx = np.arange(self.count, self.count + n)
         self.count += n
         ps = self.prompts
@@ -102,7 +103,7 @@ class RequestSource:
         else:
             cls = self.rng.choice(len(self.classes), size=n, p=self.p)
             pick = np.array([self.rng.integers(ps.prompt_tokens[c].size) for c in cls], dtype=np.int64) \
-                if ps is not None else np.zeros(n, dtype=np.int64)
+                if ps is not None else np.full(n, -1, dtype=np.int64)
         p = np.zeros(n, dtype=np.int64)
         o = np.zeros(n, dtype=np.int64)
         for c in np.unique(cls):
@@ -113,7 +114,7 @@ class RequestSource:
                 spec = self.classes[c]
                 p[m] = sample_lengths(spec.prompt_tokens, int(m.sum()), self.rng)
                 o[m] = sample_lengths(spec.output_tokens, int(m.sum()), self.rng)
-        return cls.astype(np.int64), np.maximum(p, 1), np.maximum(o, 1)
+        return cls.astype(np.int64), np.maximum(p, 1), np.maximum(o, 1), pick
 
 
 def request_source(wl: WorkloadSpec, classes: list[ClassSpec], base: Path, rng: np.random.Generator) -> RequestSource:
@@ -127,8 +128,8 @@ def open_loop_requests(wl: WorkloadSpec, classes: list[ClassSpec], duration_s: f
     The arrival times are drawn first from ``rng``, as ``synthesize`` draws them, so the same
     seed gives the same times with or without a prompt set."""
     t = arrival_times(wl, duration_s, rng)
-    cls, p, o = request_source(wl, classes, base, rng).take(t.size)
-    return Requests(t, p, o, cls)
+    cls, p, o, pick = request_source(wl, classes, base, rng).take(t.size)
+    return Requests(t, p, o, cls, pick)
 
 
 def think_times(spec: ThinkTimeSpec, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -148,6 +149,8 @@ def _grow(req: Requests, rec: Recorder, size: int) -> None:
     req.arrival_s = pad(req.arrival_s, np.inf)
     req.prompt_tokens, req.output_tokens, req.class_idx = (pad(a, 1) for a in
                                                            (req.prompt_tokens, req.output_tokens, req.class_idx))
+    if req.prompt_idx is not None:
+        req.prompt_idx = pad(req.prompt_idx, -1)
     rec.first_token_s, rec.finish_s = pad(rec.first_token_s, np.nan), pad(rec.finish_s, np.nan)
     if hasattr(rec, "refused"):
         rec.refused = pad(rec.refused, False)
@@ -179,7 +182,7 @@ def simulate_closed_loop(setup: RunSetup, policy: Policy, clients: int, think: T
     num_bins = int(np.ceil(horizon / setup.bin_s)) + 1
     cap = max(4 * clients, 64)
     req = Requests(np.full(cap, np.inf), np.ones(cap, dtype=np.int64), np.ones(cap, dtype=np.int64),
-                   np.zeros(cap, dtype=np.int64))
+                   np.zeros(cap, dtype=np.int64), np.full(cap, -1, dtype=np.int64))
     rec = Recorder(cap, len(setup.classes), policy.table.arms, setup.bin_s, num_bins)
     replicas = _replicas(setup, policy, req, rec)
     shifts = sorted({c.shift_at_s for c in setup.classes if c.shift_at_s is not None})
@@ -200,8 +203,9 @@ def simulate_closed_loop(setup: RunSetup, policy: Policy, clients: int, think: T
                 continue  # this client is done
             if n == req.arrival_s.size:
                 _grow(req, rec, 2 * n)
-            cls, p, o = source.take(1)
+            cls, p, o, pick = source.take(1)
             req.arrival_s[n], req.class_idx[n], req.prompt_tokens[n], req.output_tokens[n] = ta, cls[0], p[0], o[0]
+            req.prompt_idx[n] = pick[0]
             if setup.router == "round_robin":
                 target = replicas[rr % len(replicas)]
                 rr += 1

@@ -447,8 +447,8 @@ def simulate_level(level: SimLevel, *, policy, cost, truths, classes, prompt_set
     else:
         t = np.asarray(level.arrivals_s, dtype=float)
         t = t[t < horizon]
-        cls, p, o = source.take(t.size)
-        req = Requests(t, p, o, cls)
+        cls, p, o, pick = source.take(t.size)
+        req = Requests(t, p, o, cls, pick)
         out = simulate(RunSetup(cost, truths, req, 1, "least_loaded", max_k, horizon, drain_s, bin_s, seed,
                                 host_gap=host_gap), policy)
     window = (warmup_s, horizon)
@@ -471,9 +471,12 @@ def acceptance_source(recording, request_class: str, drafter: str) -> str | None
     return best if best is not None and recorded_steps(recording, best, drafter) > 0 else None
 
 
-def truths_from_recording(recording, class_names: list[str], drafters: Iterable[str], min_steps: int = 30):
+def truths_from_recording(recording, class_names: list[str], drafters: Iterable[str], min_steps: int = 30,
+                          per_prompt: bool = True):
     """``ClassTruth`` per class from an ``AcceptanceFile`` (``acceptance_source`` says whose;
-    a drafter that never ran accepts nothing). Returns the truths and a note per fallback."""
+    a drafter that never ran accepts nothing). Returns the truths and a note per fallback.
+    ``per_prompt``: keep the recording's per-prompt counts (a class's own only: another
+    class's prompt indices name other prompts)."""
     from adaptspec.sim.acceptance import BernoulliAcceptance
     from adaptspec.sim.acceptance_replay import RecordedAcceptance
     from adaptspec.sim.replica import ClassTruth
@@ -489,6 +492,8 @@ def truths_from_recording(recording, class_names: list[str], drafters: Iterable[
                 notes.append(f"{name}/{d}: {d} never ran live; acceptance 0")
                 continue
             acc[d] = RecordedAcceptance.from_record(recording.classes[src][d], min_steps)
+            if not per_prompt or src != name:
+                acc[d].by_prompt = {}
             if src != name:
                 notes.append(f"{name}/{d}: not recorded; {src}'s {d} acceptance instead")
         truths.append(ClassTruth(name, acc))

@@ -68,6 +68,9 @@ def fidelity(
                                       help="with --probe: also time prompt passes around every run and price the "
                                            "run's at its own factor (no: prompt passes at the run's speed factor; "
                                            "with --resimulate: ignore the prompt probes on file)"),
+    per_prompt: bool = typer.Option(True, "--per-prompt/--no-per-prompt",
+                                    help="replay each simulated request's acceptance from its prompt's own live "
+                                         "counts where there are enough (no: every request from its class's)"),
     cache_replay: bool = typer.Option(True, "--cache-replay/--no-cache-replay",
                                       help="simulate each run's prompts less the prompt tokens the prefix cache "
                                            "served its live run (no: every run less each prompt's median over all "
@@ -91,7 +94,7 @@ def fidelity(
         cells, goal_list, meta = resim(resimulate, out, console, config=config, host_gap=host_gap,
                                        snapshots=snapshots, sim_seeds=sim_seeds if sim_seeds > 1 else None,
                                        profile=profile, probe=probe, prompt_probe=prompt_probe,
-                                       cache_replay=cache_replay)
+                                       cache_replay=cache_replay, per_prompt=per_prompt)
         _report(console, cells, goal_list, meta, out)
         return
     levels = load_levels(concurrency, "", think_time=think_time, think=think, seed=arrival_seed) if concurrency else []
@@ -108,7 +111,7 @@ def fidelity(
                            calibrate_batch=_ints(calibrate_batch, "--calibrate-batch"),
                            calibrate_ks=_ints(calibrate_ks, "--calibrate-ks"), sim_seeds=sim_seeds, grpc=grpc,
                            torch_threads=torch_threads, host_gap=host_gap, snapshots=snapshots, probe=probe,
-                           prompt_probe=prompt_probe, cache_replay=cache_replay, out=out)
+                           prompt_probe=prompt_probe, cache_replay=cache_replay, per_prompt=per_prompt, out=out)
     if not opts.classes:
         raise ValueError("--classes: at least one class")
     if profile and not Path(profile).is_file():

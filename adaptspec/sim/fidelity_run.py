@@ -57,6 +57,7 @@ class FidelityOptions:
     snapshots: bool = True  # the simulated policy's arms from snapshots, as a live replica's
     probe: bool = True  # speed-probe the live engine around each run; simulate it at that speed
     prompt_probe: bool = True  # with probe: also time prompt passes; price each run's at its own factor
+    per_prompt: bool = True  # replay acceptance per prompt where recorded (else per class)
     cache_replay: bool = True  # each simulated run prefills what the prefix cache left its live run
     drain_s: float = 120.0
     grpc: bool = False
@@ -406,7 +407,8 @@ def scenario_yaml(opts: FidelityOptions, cfg, profile: str, recording, recording
         for d in cfg.drafters:
             src = acceptance_source(recording, c, d)
             acc[d] = ({"bernoulli": 0.0} if src is None else
-                      {"recorded": {"file": recording_file, **({} if src == c else {"request_class": src})}})
+                      {"recorded": {"file": recording_file, **({} if src == c else {"request_class": src}),
+                                    **({} if opts.per_prompt else {"per_prompt": False})}})
         cc = {"name": c, "acceptance": acc}
         tc = next((x for x in cfg.classes if x.name == c), None)
         if tc is not None and (tc.tpot_s or tc.ttft_s):
@@ -477,7 +479,7 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     spec = LoadSpec(list(opts.classes), opts.max_tokens)
     with console.status("loading the models"):
         svc = InProcessService(cfg, torch_threads=opts.torch_threads)
-    recorder, step_log = AcceptanceRecorder(), StepLog(svc.engine)
+    recorder, step_log = AcceptanceRecorder(prompt_of=svc.prompt_of.get), StepLog(svc.engine)
     svc.engine.step_listeners.insert(0, step_log)
     svc.engine.step_listeners.append(recorder.observe_step)
     probe = None
@@ -647,7 +649,7 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
 
     from adaptspec.sim.scenario import ClassSpec
 
-    truths, notes = truths_from_recording(recording, list(opts.classes), cfg.drafters)
+    truths, notes = truths_from_recording(recording, list(opts.classes), cfg.drafters, per_prompt=opts.per_prompt)
     class_specs = [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes]
     used_gap = gap if opts.host_gap else {}
     speed, speed_meta, speed_notes = speed_factors(live, cost.profile, opts.probe)
@@ -734,7 +736,7 @@ def load_live(path: Path) -> dict:
 def resimulate(src: Path, out: Path, console, *, config: str | None = None, host_gap: bool = True,
                snapshots: bool = True, sim_seeds: int | None = None,
                profile: str | None = None, probe: bool = True, prompt_probe: bool = True,
-               cache_replay: bool = True) -> tuple[list[Cell], list, dict]:
+               cache_replay: bool = True, per_prompt: bool = True) -> tuple[list[Cell], list, dict]:
     """The simulated side again, against the live runs a fidelity run left in ``src``
     (``live_runs.json``, ``acceptance.json``, ``prompt_set.csv``, its profile): for a changed
     simulator, without the live runs (and the quiet machine) they took. ``profile``: another
@@ -767,7 +769,8 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
                            classes=list(meta["classes"]), max_tokens=meta["max_tokens"], duration_s=meta["duration_s"],
                            warmup_s=meta["warmup_s"], rounds=meta["rounds"], profile=profile or meta["profile"],
                            sim_seeds=sim_seeds or meta["sim_seeds"], host_gap=host_gap, snapshots=snapshots,
-                           probe=probe, prompt_probe=prompt_probe, cache_replay=cache_replay, out=Path(out))
+                           probe=probe, prompt_probe=prompt_probe, cache_replay=cache_replay, per_prompt=per_prompt,
+                           out=Path(out))
     if profile is not None:
         meta = {**meta, "profile": str(profile), "profile_measured": meta["profile"]}
     profile = Path(meta["profile"])

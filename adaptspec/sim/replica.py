@@ -176,6 +176,12 @@ class Replica:
             self.n_active += 1
             self.prefill_tokens_left += int(self.req.prompt_tokens[r])
 
+    def _prompts(self, slots: np.ndarray) -> np.ndarray | None:
+        """[n] the prompt (index in its class's prompt set) of the requests in ``slots``; None
+        when the requests carry none (a recorded acceptance then replays the class's)."""
+        p = self.req.prompt_idx
+        return None if p is None else p[self.rid[slots]]
+
     def _check(self, arm: Arm) -> None:
         if arm.k > self.max_k:
             raise ValueError(f"policy {self.policy.name!r} chose {arm}: k above max_k={self.max_k}")
@@ -236,7 +242,8 @@ class Replica:
                 elif isinstance(model, RecordedAcceptance):
                     # what the live drafter proposed: n-gram lookup often finds fewer than k
                     # (or none), and the verification pass carries only what was proposed
-                    proposed[lo:hi], accepted[lo:hi] = model.sample_proposed(arm.k, n, self.rng)
+                    proposed[lo:hi], accepted[lo:hi] = model.sample_proposed(arm.k, n, self.rng,
+                                                                             self._prompts(dec[lo:hi]))
                     forwards[lo:hi] = arm.k
                     full = False
                 else:

@@ -70,6 +70,10 @@ class RecordedSpec(_Strict):
                                                                         "drafter this acceptance is given for)")
     min_steps: int = Field(30, ge=1, description="replay the histogram recorded at the k asked for when it has "
                                                  "this many request-steps, else the pooled per-position rates")
+    per_prompt: bool = Field(True, description="replay each request from its prompt's own counts where the "
+                                               "recording has them (``workload.prompt_set`` rows in the order of "
+                                               "the live run's prompt pools, as adaptspec fidelity writes them); "
+                                               "false: every request from its class's")
 
 
 class ConfidenceSpec(_Strict):

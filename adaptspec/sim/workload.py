@@ -32,6 +32,7 @@ class Requests:
     prompt_tokens: np.ndarray  # [R] int
     output_tokens: np.ndarray  # [R] int
     class_idx: np.ndarray  # [R] int, index into the scenario's classes
+    prompt_idx: np.ndarray | None = None  # [R] int: index into its class's prompt set (-1 / None: none)
 
     def __len__(self) -> int:
         return self.arrival_s.size

@@ -139,6 +139,93 @@ def test_replica_verifies_what_the_recorded_drafter_proposed_with_a_control():
     assert per_full > 3.8 and abs(per_full - want) > 3.0  # all k but the answer's last steps
 
 
+def test_recorder_keeps_counts_per_prompt_when_it_knows_each_requests_prompt():
+    """With ``prompt_of`` (request id -> prompt index) the counts are kept per prompt too, and
+    survive the file; a request of unknown prompt counts for its class only."""
+    rec = AcceptanceRecorder(prompt_of={"a": 0, "b": 1}.get)
+    step = NS(requests=[NS(request_id="a", request_class="c", drafter="ngram", k=2, drafted=2, accepted=2),
+                        NS(request_id="b", request_class="c", drafter="ngram", k=2, drafted=0, accepted=0),
+                        NS(request_id="x", request_class="c", drafter="ngram", k=2, drafted=1, accepted=0)])
+    rec.observe_step(step)
+    rec.observe_step(step)
+    f = AcceptanceFile.model_validate(json.loads(json.dumps(rec.to_file("t").model_dump())))
+    d = f.classes["c"]["ngram"]
+    assert np.array(d.joint[2]).sum() == 6
+    assert d.by_prompt[0][2][2][2] == 2 and np.array(d.by_prompt[0][2]).sum() == 2
+    assert d.by_prompt[1][2][0][0] == 2 and set(d.by_prompt) == {0, 1}
+    assert AcceptanceRecorder().to_file().classes == {}  # and without prompt_of nothing is kept per prompt
+    plain = AcceptanceRecorder()
+    plain.observe_step(step)
+    assert plain.to_file().classes["c"]["ngram"].by_prompt is None
+
+
+def _two_prompts(n: int = 400, min_steps: int = 30) -> RecordedAcceptance:
+    """Class c's n-gram at k = 4: prompt 0 always proposes and keeps 4, prompt 1 never
+    proposes, prompt 2 has too few steps of its own (min_steps) to be replayed alone."""
+    rec = AcceptanceRecorder()
+    for _ in range(n):
+        rec.observe("c", "ngram", 4, 4, 4, prompt=0)
+        rec.observe("c", "ngram", 4, 0, 0, prompt=1)
+    for _ in range(min_steps - 1):
+        rec.observe("c", "ngram", 4, 4, 0, prompt=2)
+    return RecordedAcceptance.from_record(rec.to_file().classes["c"]["ngram"], min_steps=min_steps)
+
+
+def test_replay_per_prompt_gives_each_request_its_prompts_acceptance_with_a_control():
+    """Each request is replayed from its prompt's own counts; a prompt with too few, or one
+    never recorded, from the class's. Control: without prompts every request gets the class's
+    mixture (about half of them keep 4)."""
+    model = _two_prompts()
+    rng = np.random.default_rng(0)
+    prompts = np.array([0, 1, 2, 7] * 250)
+    m, j = model.sample_proposed(4, prompts.size, rng, prompts)
+    assert (j[prompts == 0] == 4).all() and (m[prompts == 1] == 0).all()
+    for p in (2, 7):  # the class's: a mixture of both (and prompt 2's few steps)
+        assert 0.3 < (j[prompts == p] == 4).mean() < 0.7
+    a = model.sample(4, prompts.size, rng, prompts)
+    assert (a[prompts == 0] == 4).all() and (a[prompts == 1] == 0).all()
+    m0, j0 = model.sample_proposed(4, 1000, rng)
+    assert 0.4 < (j0 == 4).mean() < 0.6 and 0.4 < (m0 == 0).mean() < 0.6
+    # a prompt recorded at k = 4 only replays its own at k = 2 (pooled over its k's), not at k = 8
+    m2, j2 = model.sample_proposed(2, 100, rng, np.zeros(100, dtype=int))
+    assert (j2 == 2).all()
+    m8, _ = model.sample_proposed(8, 400, rng, np.zeros(400, dtype=int))
+    assert (m8 == 0).mean() > 0.3
+
+
+def test_simulated_requests_keep_their_prompts_acceptance_with_a_control():
+    """Eight requests, prompts 0 and 1 in turn (a closed-loop prompt set sends them so): with
+    per-prompt replay the prompt-0 requests (4 kept a step) finish in about a fifth of the
+    steps of the prompt-1 ones (none proposed); control: without prompts on the requests both
+    halves draw from the class's mixture and finish alike."""
+    from adaptspec.control import Arm, PolicyConfig, StaticPolicy
+    from adaptspec.control.costs import ProfileCostModel, ProfileFile
+    from adaptspec.sim.replica import ClassTruth, Recorder, Replica
+    from adaptspec.sim.workload import Requests
+
+    def finish(prompt_idx):
+        n = 8
+        cost = ProfileCostModel(ProfileFile(name="t", verify_tokens=[1.0, 1001.0], verify_s=[0.01, 0.02],
+                                            max_num_seqs=64, max_batched_tokens=4096))
+        req = Requests(np.zeros(n), np.full(n, 4), np.full(n, 200), np.zeros(n, dtype=np.int64), prompt_idx)
+        policy = StaticPolicy(Arm("ngram", 4), PolicyConfig(("ngram",), 4))
+        rec = Recorder(n, 1, policy.table.arms, 1.0, 10_000)
+        r = Replica(cost, policy, [ClassTruth("c", {"ngram": _two_prompts()})], req, rec, np.random.default_rng(1), 4,
+                    drafters=("ngram",))
+        for i in range(n):
+            r.enqueue(i, 0.0)
+        now = 0.0
+        while r.busy_until < np.inf:
+            r.step(now)
+            now = r.busy_until
+        return rec.finish_s[0::2].mean(), rec.finish_s[1::2].mean()
+
+    fast, slow = finish(np.array([0, 1] * 4))
+    assert fast < 0.3 * slow
+    a, b = finish(None)
+    assert 0.75 < a / b < 1.33
+
+
 def test_replica_asks_no_more_candidates_than_tokens_left_with_a_control():
     """A 3-token answer: the prefill samples the first token, so the first decode step has 2
     left and verifies 1 candidate per request (the engine's ``_k_for``), not k = 4. Control:
@@ -370,6 +457,11 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
         assert (out / name).stat().st_size > 0
     recording = AcceptanceFile.load(out / "acceptance.json")
     assert set(recording.classes) == {"chat", "code_edit", "extraction"}
+    # every request's prompt was known: the counts per prompt add up to the class's
+    for per in recording.classes.values():
+        for d in per.values():
+            assert d.by_prompt and sum(np.array(h).sum() for j in d.by_prompt.values() for h in j.values()) == \
+                sum(np.array(h).sum() for h in d.joint.values())
     gap = data["meta"]["host_gap_measured"]
     assert set(gap) == {"*", "thompson", "static:ngram:2"}
     assert gap["*"]["gaps"] == gap["thompson"]["gaps"] + gap["static:ngram:2"]["gaps"] > 0 and gap["*"]["mean_s"] > 0

@@ -124,24 +124,27 @@ def _prompt_set() -> PromptSet:
 def test_round_robin_prompt_set_sends_what_the_in_process_load_test_sends():
     classes = [ClassSpec(name=n, acceptance={"ngram": {"bernoulli": 0.1}}) for n in ("a", "b", "c")]
     src = RequestSource(classes, _prompt_set(), "round_robin", np.random.default_rng(0))
-    cls, p, o = src.take(4)
-    cls2, p2, o2 = src.take(5)  # continues the sequence
+    cls, p, o, pick = src.take(4)
+    cls2, p2, o2, pick2 = src.take(5)  # continues the sequence
     pools = {0: [10, 11, 12], 1: [20, 21], 2: [30]}
     # InProcessService.run_level: class = classes[n % C], prompt = pool[(n // C) % len(pool)]
     want = [(n % 3, pools[n % 3][(n // 3) % len(pools[n % 3])]) for n in range(9)]
     assert list(zip(np.concatenate([cls, cls2]).tolist(), np.concatenate([p, p2]).tolist())) == want
     assert o.tolist() == [1, 4, 6, 2]
+    # which prompt of its class's pool each request is (acceptance replays per prompt)
+    assert np.concatenate([pick, pick2]).tolist() == [(n // 3) % len(pools[n % 3]) for n in range(9)]
 
 
 def test_a_class_with_weight_zero_is_skipped_and_random_order_follows_weights():
     classes = [ClassSpec(name="a", weight=1, acceptance={"ngram": {"bernoulli": 0.1}}),
                ClassSpec(name="b", weight=0, acceptance={"ngram": {"bernoulli": 0.1}}),
                ClassSpec(name="c", weight=3, acceptance={"ngram": {"bernoulli": 0.1}})]
-    cls, _, _ = RequestSource(classes, _prompt_set(), "round_robin", np.random.default_rng(0)).take(4)
+    cls, _, _, _ = RequestSource(classes, _prompt_set(), "round_robin", np.random.default_rng(0)).take(4)
     assert cls.tolist() == [0, 2, 0, 2]
-    cls, p, _ = RequestSource(classes, _prompt_set(), "random", np.random.default_rng(0)).take(4000)
+    cls, p, _, pick = RequestSource(classes, _prompt_set(), "random", np.random.default_rng(0)).take(4000)
     assert 1 not in cls and abs((cls == 2).mean() - 0.75) < 0.03
     assert set(p[cls == 0].tolist()) == {10, 11, 12}
+    assert (p[cls == 0] == np.array([10, 11, 12])[pick[cls == 0]]).all()
 
 
 def test_open_loop_with_a_prompt_set_keeps_the_arrival_times_of_the_seed(tmp_path):
