@@ -35,10 +35,14 @@ REFUSED_BACKOFF_S = 0.05  # adaptspec loadtest's pause after a RESOURCE_EXHAUSTE
 
 @dataclass(slots=True)
 class PromptSet:
-    """Per class, its prompts' (prompt tokens, output tokens), in send order."""
+    """Per class, its prompts' (prompt tokens, output tokens), in send order. ``prompt_ids``:
+    which prompt each entry is (an index into the class's own prompts; a pool that holds a
+    prompt more than once, as ``fidelity_run.cache_replay``'s does, repeats it); None: entry i
+    is prompt i."""
 
     prompt_tokens: list[np.ndarray]  # [C] arrays of [P_c] ints
     output_tokens: list[np.ndarray]
+    prompt_ids: list[np.ndarray] | None = None  # [C] arrays of [P_c] ints
 
 
 def read_prompt_set(spec: PromptSetSpec, base: Path, classes: list[ClassSpec]) -> PromptSet:
@@ -91,7 +95,7 @@ class RequestSource:
 
     def take(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(class_idx, prompt_tokens, output_tokens, prompt_idx), each [n]; prompt_idx: which
-        prompt of its class's prompt set (-1 without one)."""
+        prompt of its class's prompt set (``PromptSet.prompt_ids``; -1 without a set)."""
         idx = np.arange(self.count, self.count + n)
         self.count += n
         ps = self.prompts
@@ -106,15 +110,18 @@ class RequestSource:
                 if ps is not None else np.full(n, -1, dtype=np.int64)
         p = np.zeros(n, dtype=np.int64)
         o = np.zeros(n, dtype=np.int64)
+        ids = pick.copy()
         for c in np.unique(cls):
             m = cls == c
             if ps is not None:
                 p[m], o[m] = ps.prompt_tokens[c][pick[m]], ps.output_tokens[c][pick[m]]
+                if ps.prompt_ids is not None:
+                    ids[m] = ps.prompt_ids[c][pick[m]]
             else:
                 spec = self.classes[c]
                 p[m] = sample_lengths(spec.prompt_tokens, int(m.sum()), self.rng)
                 o[m] = sample_lengths(spec.output_tokens, int(m.sum()), self.rng)
-        return cls.astype(np.int64), np.maximum(p, 1), np.maximum(o, 1), pick
+        return cls.astype(np.int64), np.maximum(p, 1), np.maximum(o, 1), ids
 
 
 def request_source(wl: WorkloadSpec, classes: list[ClassSpec], base: Path, rng: np.random.Generator) -> RequestSource:

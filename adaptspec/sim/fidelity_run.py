@@ -140,11 +140,12 @@ def cache_replay(ps_rows, live: dict, classes: list[str]) -> tuple[dict, dict]:
             occ: dict[tuple[str, int], list[int]] = {}
             for row in rows:
                 occ.setdefault((row.request_class, row.prompt_index), []).append(row.cached_tokens)
-            ptoks, otoks = [], []
+            ptoks, otoks, ids = [], [], []
             for c in classes:
                 pool = base[c]
                 uses = max([len(occ.get((c, i), ())) for i in range(len(pool))] + [1])
                 pt, ot = [], []
+                ids.append(np.tile(np.arange(len(pool), dtype=np.int64), uses))  # copy j of prompt i is prompt i
                 for j in range(uses):
                     for i, (p, o, k) in enumerate(pool):
                         seen = occ.get((c, i), [])
@@ -153,7 +154,7 @@ def cache_replay(ps_rows, live: dict, classes: list[str]) -> tuple[dict, dict]:
                         ot.append(o)
                 ptoks.append(np.array(pt, dtype=np.int64))
                 otoks.append(np.array(ot, dtype=np.int64))
-            sets.setdefault(key, []).append(PromptSet(ptoks, otoks))
+            sets.setdefault(key, []).append(PromptSet(ptoks, otoks, ids))
             served.setdefault(key, []).append(float(np.mean([row.cached_tokens for row in rows])) if rows else math.nan)
     return sets, served
 

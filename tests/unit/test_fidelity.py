@@ -796,6 +796,8 @@ def test_cache_replay_replays_each_runs_prefix_cache_hits_in_send_order():
     # b1 was sent once (64 cached of 70), b0 twice; b1's second copy: its median in the run
     assert s0.prompt_tokens[1].tolist() == [30 - 16, 70 - 64, 30 - 29, 70 - 64]
     assert s0.output_tokens[0].tolist() == [7, 8, 7, 8] and s0.output_tokens[1].tolist() == [9, 6, 9, 6]
+    # copy j of prompt i is prompt i (acceptance replays per prompt by it)
+    assert [x.tolist() for x in s0.prompt_ids] == [[0, 1, 0, 1]] * 2 and s1.prompt_ids[0].tolist() == [0, 1]
     # run 1 sent a0 and b0 once with nothing cached; a1 and b1 take the CSV's medians
     assert s1.prompt_tokens[0].tolist() == [40, 50 - 32] and s1.prompt_tokens[1].tolist() == [30, 70]
     assert served[("p", "c=1")] == pytest.approx([(32 + 16 + 48 + 64 + 16 + 29 + 32) / 7, 0.0])

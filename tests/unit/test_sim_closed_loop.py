@@ -135,6 +135,17 @@ def test_round_robin_prompt_set_sends_what_the_in_process_load_test_sends():
     assert np.concatenate([pick, pick2]).tolist() == [(n // 3) % len(pools[n % 3]) for n in range(9)]
 
 
+def test_a_pool_holding_prompts_more_than_once_names_each_entrys_prompt():
+    """``prompt_ids``: a pool of two copies of two prompts sends entries 0-3 in turn and names
+    them prompts 0, 1, 0, 1; control: without ids, the entry's index."""
+    classes = [ClassSpec(name="a", acceptance={"ngram": {"bernoulli": 0.1}})]
+    pool = PromptSet([np.array([10, 11, 12, 13])], [np.array([1, 2, 3, 4])], [np.array([0, 1, 0, 1])])
+    _, p, _, ids = RequestSource(classes, pool, "round_robin", np.random.default_rng(0)).take(5)
+    assert p.tolist() == [10, 11, 12, 13, 10] and ids.tolist() == [0, 1, 0, 1, 0]
+    plain = PromptSet(pool.prompt_tokens, pool.output_tokens)
+    assert RequestSource(classes, plain, "round_robin", np.random.default_rng(0)).take(5)[3].tolist() == [0, 1, 2, 3, 0]
+
+
 def test_a_class_with_weight_zero_is_skipped_and_random_order_follows_weights():
     classes = [ClassSpec(name="a", weight=1, acceptance={"ngram": {"bernoulli": 0.1}}),
                ClassSpec(name="b", weight=0, acceptance={"ngram": {"bernoulli": 0.1}}),
