@@ -176,7 +176,8 @@ class StepOutcome:
     # seconds of a prefill pass of its own (the live engine's), part of wall_s and of no
     # other part: every request prefills once whatever the arms, so policies judge arms by
     # the decode part (wall_s - prefill_s) and count prefill only against latency targets.
-    # 0 where prefill shares the verification pass (the simulator: num_prefill tokens)
+    # 0 where prefill shares the verification pass (the simulator, and the engine through
+    # ``from_step_stats``: num_prefill tokens of verify_tokens)
     prefill_s: float = 0.0
     prefill_chunks: int = 0  # prompts whose tokens (all, or a budget's worth) num_prefill holds
 
@@ -195,6 +196,7 @@ class StepOutcome:
         wall_s: float,
         queued: int = 0,
         prefill_s: float = 0.0,
+        prefill_chunks: int = 0,
     ) -> "StepOutcome":
         """The engine adapter: aggregate per-request outcomes into groups."""
         acc: dict[tuple[str, Arm], list[int]] = {}
@@ -224,26 +226,33 @@ class StepOutcome:
                 np.add.at(H, (np.asarray(m), np.asarray(a)), 1.0)
             groups.append(GroupOutcome(c, arm, hist, emitted[(c, arm)], len(a), int(sum(m)), H, conf.get((c, arm))))
         return cls(batch_size, num_prefill, verify_tokens, context_tokens, draft_s, verify_s,
-                   other_s, wall_s, groups, queued, prefill_s)
+                   other_s, wall_s, groups, queued, prefill_s, prefill_chunks)
 
     @classmethod
     def from_step_stats(cls, st) -> "StepOutcome":
         """Adapter for the engine's ``StepStats`` (read by attribute; no engine import).
 
-        The engine prefills in its own pass, so its ``verify_tokens``/``verify_s`` cover the
-        verification pass only and its prefill time is ``prefill_s``, apart from the host
-        overhead (``other_s``). (It was counted with the overhead until 2026-12-01: a constant
-        part of every step in the planner's eyes, which made verifying more tokens look
-        cheaper than it is, most at high load where prefill is half of a step on the CPU.)
+        The engine's prompt chunks ride in the step's one forward with the verification tokens,
+        as the simulator's do, and the outcome says so the simulator's way: ``num_prefill`` the
+        prompt tokens, ``prefill_chunks`` the requests they came from, ``verify_tokens`` and
+        ``verify_s`` the whole forward (the planner prices chunks apart from the decode tokens
+        by them), ``prefill_s`` 0. The engine reports the forward split by tokens
+        (``prefill_s``: the prompt's share), which suits a benchmark that leaves the prompt
+        out, but a forward's cost is mostly fixed: a step of 24 prompt and 3 decode tokens
+        would read as 3 verification tokens for a ninth of a 3-token decode step, and a cost
+        model fitted on such steps priced extra verification tokens at up to twice their
+        cost, most where prompts arrive often (high load), which the simulator never showed.
         """
         reqs = [RequestOutcome(r.request_id, r.request_class, r.drafter, r.k, r.accepted, r.emitted, r.drafted,
                                getattr(r, "draft_confidence", None), float(getattr(r, "min_confidence", 0.0) or 0.0))
                 for r in st.requests]
+        prompt = int(getattr(st, "prefill_tokens", 0) or 0)
         return cls.from_requests(
-            reqs, batch_size=st.batch_size, num_prefill=0, verify_tokens=st.verify_tokens,
-            context_tokens=st.context_tokens, draft_s=st.draft_s, verify_s=st.verify_s,
-            other_s=st.other_s, wall_s=st.wall_s, queued=getattr(st, "num_waiting", 0),
-            prefill_s=getattr(st, "prefill_s", 0.0))
+            reqs, batch_size=st.batch_size, num_prefill=prompt, verify_tokens=st.verify_tokens + prompt,
+            context_tokens=st.context_tokens, draft_s=st.draft_s,
+            verify_s=st.verify_s + float(getattr(st, "prefill_s", 0.0) or 0.0), other_s=st.other_s,
+            wall_s=st.wall_s, queued=getattr(st, "num_waiting", 0),
+            prefill_chunks=int(getattr(st, "num_prefill", 0) or 0) if prompt else 0)
 
 
 @dataclass(slots=True, frozen=True)

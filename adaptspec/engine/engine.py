@@ -610,7 +610,8 @@ class Engine:
         # verify_s holds the host-clock forward until here; on CUDA the events' time replaces it
         forward_s = lap.seconds() if lap is not None else st.verify_s
         # the prompt chunks ride in the same forward: their share of it, by tokens, is reported
-        # as prefill time so the controller prices an arm by its own verification tokens
+        # as prefill time (for benchmarks that leave the prompt out; the controller's adapter,
+        # StepOutcome.from_step_stats, puts the forward back together)
         st.prefill_s = forward_s * st.prefill_tokens / max(1, st.prefill_tokens + st.verify_tokens)
         st.verify_s = forward_s - st.prefill_s
         self.last_step = st

@@ -154,9 +154,66 @@ def test_adapter_from_engine_step_stats_fields():
     (g,) = out.groups
     assert g.arm == Arm("ngram", 3) and g.accepted_hist.tolist() == [1, 0, 1, 0] and g.emitted == 4
     assert g.drafted == 5  # proposed, not asked for (2 x 3)
-    # the engine's prefill pass is its own part, not host overhead (see StepOutcome.prefill_s)
-    assert out.other_s == pytest.approx(0.002) and out.prefill_s == pytest.approx(0.01)
-    assert out.queued == 4 and out.verify_tokens == 8 and out.wall_s == pytest.approx(0.043)
+    # no prompt in this step: the engine's split gave it no share of the forward
+    assert out.other_s == pytest.approx(0.002) and out.queued == 4 and out.verify_tokens == 8
+    assert out.wall_s == pytest.approx(0.043) and out.num_prefill == 0 and out.prefill_chunks == 0
+
+
+def _engine_step(prompt: int, decode: int, prompts: int = 1, fixed: float = 0.04, per_token: float = 0.002):
+    """An engine StepStats as the engine reports it: one forward of ``prompt + decode`` tokens
+    costing ``fixed + per_token`` a token, split by tokens into prefill_s and verify_s."""
+    from types import SimpleNamespace as NS
+
+    fwd = fixed + per_token * (prompt + decode)
+    pre = fwd * prompt / (prompt + decode)
+    reqs = [NS(request_id=str(i), request_class="c", drafter="none", k=0, drafted=0, accepted=0, emitted=1)
+            for i in range(decode)]
+    return NS(batch_size=decode, num_prefill=prompts if prompt else 0, prefill_tokens=prompt, verify_tokens=decode,
+              context_tokens=100 * decode, draft_s=0.0, verify_s=fwd - pre, other_s=0.001, prefill_s=pre,
+              wall_s=fwd + 0.001, num_waiting=0, requests=reqs)
+
+
+def test_a_step_with_prompt_chunks_reports_the_whole_forward_as_the_simulator_does():
+    """24 prompt tokens (two prompts) rode in the forward of 3 decode tokens: the outcome holds
+    the forward whole (27 tokens, its full time), the prompt tokens and chunks beside it, no
+    separate prefill pass; the engine's split by tokens would have said 3 tokens for a ninth
+    of the forward."""
+    st = _engine_step(24, 3, prompts=2)
+    out = StepOutcome.from_step_stats(st)
+    assert out.verify_tokens == 27 and out.num_prefill == 24 and out.prefill_chunks == 2
+    assert out.verify_s == pytest.approx(0.04 + 0.002 * 27) and out.prefill_s == 0.0
+    assert st.verify_s == pytest.approx(out.verify_s / 9)  # what the engine's split left to the 3 tokens
+
+
+def test_a_cost_model_fed_steps_with_prompt_chunks_learns_the_true_step_cost():
+    """Decode steps of 12-20 tokens and, every third step, one with a 24-token prompt chunk; the
+    forward costs 40 ms + 2 ms a token (+1 ms host). Fed the outcomes, the online cost model
+    prices a 16-token step at the true 73 ms and 16 -> 24 tokens at the true 16 ms. Control:
+    fed the engine's split by tokens (the adapter before), it prices the step 12% low and the
+    extra tokens 20% high, a cost curve steeper than the engine's, so speculation looked dear
+    where prompts arrive often (high load), and only live: the simulator reports its steps whole."""
+    from adaptspec.control.costmodel import OnlineStepCost
+
+    def fit(adapter):
+        model = OnlineStepCost()
+        rng = np.random.default_rng(0)
+        for i in range(900):
+            st = _engine_step(24 if i % 3 == 0 else 0, int(rng.integers(12, 21)))
+            model.observe(adapter(st), np.zeros(8), 0, 100.0)
+        t16, t24 = (float(model.step_time(np.array([n]), np.array([100.0 * n]), np.zeros((1, 8)), np.zeros(1),
+                                          100.0)[0]) for n in (16.0, 24.0))
+        return t16, t24 - t16
+
+    level, slope = fit(StepOutcome.from_step_stats)
+    assert level == pytest.approx(0.073, rel=0.03) and slope == pytest.approx(0.016, rel=0.05)
+
+    def split(st):  # the adapter before: the verification tokens and their share alone
+        out = StepOutcome.from_step_stats(st)
+        out.verify_tokens, out.verify_s, out.num_prefill = st.verify_tokens, st.verify_s, 0
+        return out
+
+    level, slope = fit(split)
+    assert level < 0.92 * 0.073 and slope > 1.15 * 0.016
 
 
 def test_a_cost_model_seeded_from_a_profile_predicts_the_profile():
