@@ -84,9 +84,9 @@ def test_replay_at_a_recorded_k_resamples_its_histogram():
     assert np.all(j <= m) and abs(j.mean() - want) < 4 * j.std() / math.sqrt(j.size)
 
 
-def _replica_steps(truth, output_tokens: int, n_req: int = 8, k: int = 4, seed: int = 0):
-    """A replica running ``n_req`` requests (4-token prompts) with the static arm ngram:k to the
-    end; every ``StepOutcome`` it reported."""
+def _replica_steps(truth, output_tokens: int, n_req: int = 8, k: int = 4, seed: int = 0, prompt_idx=None):
+    """A replica running ``n_req`` requests (4-token prompts; ``prompt_idx``: each one's prompt)
+    with the static arm ngram:k to the end; every ``StepOutcome`` it reported, and its recorder."""
     from adaptspec.control import Arm, PolicyConfig, StaticPolicy
     from adaptspec.control.costs import ProfileCostModel, ProfileFile
     from adaptspec.sim.replica import ClassTruth, Recorder, Replica
@@ -100,7 +100,8 @@ def _replica_steps(truth, output_tokens: int, n_req: int = 8, k: int = 4, seed: 
 
     cost = ProfileCostModel(ProfileFile(name="t", verify_tokens=[1.0, 1001.0], verify_s=[0.01, 0.02],
                                         max_num_seqs=64, max_batched_tokens=4096))
-    req = Requests(np.zeros(n_req), np.full(n_req, 4), np.full(n_req, output_tokens), np.zeros(n_req, dtype=np.int64))
+    req = Requests(np.zeros(n_req), np.full(n_req, 4), np.full(n_req, output_tokens), np.zeros(n_req, dtype=np.int64),
+                   prompt_idx)
     policy = Capture(Arm("ngram", k), PolicyConfig(("ngram",), k))
     rec = Recorder(n_req, 1, policy.table.arms, 1.0, 10_000)
     r = Replica(cost, policy, [ClassTruth("c", {"ngram": truth})], req, rec, np.random.default_rng(seed), k,
@@ -112,7 +113,7 @@ def _replica_steps(truth, output_tokens: int, n_req: int = 8, k: int = 4, seed: 
         r.step(now)
         now = r.busy_until
     assert np.all(np.isfinite(rec.finish_s))
-    return seen
+    return seen, rec
 
 
 def test_replica_verifies_what_the_recorded_drafter_proposed_with_a_control():
@@ -123,7 +124,7 @@ def test_replica_verifies_what_the_recorded_drafter_proposed_with_a_control():
     sparse = _record(0.3, 0.9, k=4, n=5000, seed=4)
     h = sparse.joint[4]
     want = float(np.dot(np.arange(5), h.sum(axis=1)) / h.sum())
-    steps = _replica_steps(sparse, output_tokens=300)
+    steps = _replica_steps(sparse, output_tokens=300)[0]
     decode = [o for o in steps if o.num_prefill == 0]
     drafted = np.array([g.drafted for o in decode for g in o.groups])
     n = np.array([g.num_requests for o in decode for g in o.groups])
@@ -133,7 +134,7 @@ def test_replica_verifies_what_the_recorded_drafter_proposed_with_a_control():
     # ~25000 request-steps, m has sd < 1: 4 standard errors is under 0.03
     assert abs(per_req - want) < 0.03, (per_req, want)
     assert any(g.drafted_accepted is not None for o in decode for g in o.groups)
-    full = _replica_steps(_record(1.0, 0.9, k=4, n=5000, seed=4), output_tokens=300)
+    full = _replica_steps(_record(1.0, 0.9, k=4, n=5000, seed=4), output_tokens=300)[0]
     full_dec = [o for o in full if o.num_prefill == 0]
     per_full = sum(g.drafted for o in full_dec for g in o.groups) / sum(g.num_requests for o in full_dec for g in o.groups)
     assert per_full > 3.8 and abs(per_full - want) > 3.0  # all k but the answer's last steps
@@ -198,26 +199,8 @@ def test_simulated_requests_keep_their_prompts_acceptance_with_a_control():
     per-prompt replay the prompt-0 requests (4 kept a step) finish in about a fifth of the
     steps of the prompt-1 ones (none proposed); control: without prompts on the requests both
     halves draw from the class's mixture and finish alike."""
-    from adaptspec.control import Arm, PolicyConfig, StaticPolicy
-    from adaptspec.control.costs import ProfileCostModel, ProfileFile
-    from adaptspec.sim.replica import ClassTruth, Recorder, Replica
-    from adaptspec.sim.workload import Requests
-
     def finish(prompt_idx):
-        n = 8
-        cost = ProfileCostModel(ProfileFile(name="t", verify_tokens=[1.0, 1001.0], verify_s=[0.01, 0.02],
-                                            max_num_seqs=64, max_batched_tokens=4096))
-        req = Requests(np.zeros(n), np.full(n, 4), np.full(n, 200), np.zeros(n, dtype=np.int64), prompt_idx)
-        policy = StaticPolicy(Arm("ngram", 4), PolicyConfig(("ngram",), 4))
-        rec = Recorder(n, 1, policy.table.arms, 1.0, 10_000)
-        r = Replica(cost, policy, [ClassTruth("c", {"ngram": _two_prompts()})], req, rec, np.random.default_rng(1), 4,
-                    drafters=("ngram",))
-        for i in range(n):
-            r.enqueue(i, 0.0)
-        now = 0.0
-        while r.busy_until < np.inf:
-            r.step(now)
-            now = r.busy_until
+        rec = _replica_steps(_two_prompts(), output_tokens=200, seed=1, prompt_idx=prompt_idx)[1]
         return rec.finish_s[0::2].mean(), rec.finish_s[1::2].mean()
 
     fast, slow = finish(np.array([0, 1] * 4))
@@ -232,9 +215,9 @@ def test_replica_asks_no_more_candidates_than_tokens_left_with_a_control():
     a 50-token answer verifies all 4."""
     from adaptspec.sim.acceptance import BernoulliAcceptance
 
-    short = [o for o in _replica_steps(BernoulliAcceptance(0.0), output_tokens=3) if o.num_prefill == 0]
+    short = [o for o in _replica_steps(BernoulliAcceptance(0.0), output_tokens=3)[0] if o.num_prefill == 0]
     assert short[0].verify_tokens == 8 * 2 and short[0].groups[0].drafted == 8
-    long = [o for o in _replica_steps(BernoulliAcceptance(0.0), output_tokens=50) if o.num_prefill == 0]
+    long = [o for o in _replica_steps(BernoulliAcceptance(0.0), output_tokens=50)[0] if o.num_prefill == 0]
     assert long[0].verify_tokens == 8 * 5 and long[0].groups[0].drafted == 32
 
 
