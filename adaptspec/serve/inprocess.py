@@ -148,6 +148,7 @@ class InProcessService:
                     rec.arms = dict(o.stats.arms) if o.stats is not None else {}
                     rec.cached_tokens = int(getattr(o.stats, "cached_prompt_tokens", 0) or 0)
                     done.append(records.pop(o.request_id))
+                    self.prompt_of.pop(o.request_id, None)  # the recorders heard this step already
                     if not arr.open:
                         heapq.heappush(due, now + arr.pause(think))
             if now - last >= interval:
@@ -156,6 +157,7 @@ class InProcessService:
         now = time.perf_counter()
         for rid, rec in records.items():  # still running at the end: cut, as the gRPC test cancels them
             eng.abort(rid)
+            self.prompt_of.pop(rid, None)
             rec.e2e_s, rec.cut = now - rec.start_s, True
             done.append(rec)
         self._report(now - last, check, tally)

@@ -234,8 +234,10 @@ class RecordedAcceptance:
         self._there, self._keep = _ratio(there, asked), _ratio(kept, tried_p)
 
     @classmethod
-    def from_record(cls, rec: DrafterRecord, min_steps: int = 30) -> "RecordedAcceptance":
-        per = {int(p): cls({k: np.array(v) for k, v in j.items()}, min_steps) for p, j in (rec.by_prompt or {}).items()}
+    def from_record(cls, rec: DrafterRecord, min_steps: int = 30, per_prompt: bool = True) -> "RecordedAcceptance":
+        """``per_prompt``: keep the record's per-prompt counts (false: the class's alone)."""
+        per = {int(p): cls({k: np.array(v) for k, v in j.items()}, min_steps)
+               for p, j in ((rec.by_prompt or {}).items() if per_prompt else ())}
         return cls({k: np.array(v) for k, v in rec.joint.items()}, min_steps,
                    {p: m for p, m in per.items() if m.steps >= min_steps})
 
@@ -270,27 +272,28 @@ class RecordedAcceptance:
         out = [(np.flatnonzero(prompts == p), m) for p, m in own.items()]
         return out + ([(np.flatnonzero(rest), self)] if rest.any() else [])
 
-    def sample(self, k: int, n: int, rng: np.random.Generator, prompts=None) -> np.ndarray:
-        """[n] accepted of ``k`` asked; ``prompts``: [n] each request's prompt (see the class)."""
+    def _draw(self, k: int, n: int, prompts, draw) -> tuple[np.ndarray, ...]:
+        """``draw(model, size)``'s arrays for ``n`` requests, each row from its prompt's model
+        (``_by_prompt``)."""
         parts = self._by_prompt(k, prompts)
         if parts[0][0] is None:
-            return parts[0][1]._sample(k, n, rng)
-        out = np.zeros(n, dtype=np.int64)
-        for rows, m in parts:
-            out[rows] = m._sample(k, rows.size, rng)
+            return draw(self, n)
+        got = [(rows, draw(m, rows.size)) for rows, m in parts]
+        out = tuple(np.zeros(n, dtype=np.int64) for _ in got[0][1])
+        for rows, arrays in got:
+            for o, a in zip(out, arrays):
+                o[rows] = a
         return out
+
+    def sample(self, k: int, n: int, rng: np.random.Generator, prompts=None) -> np.ndarray:
+        """[n] accepted of ``k`` asked; ``prompts``: [n] each request's prompt (see the class)."""
+        return self._draw(k, n, prompts, lambda m, size: (m._sample(k, size, rng),))[0]
 
     def sample_proposed(self, k: int, n: int, rng: np.random.Generator,
                         prompts=None) -> tuple[np.ndarray, np.ndarray]:
         """[n] candidates proposed and [n] of them accepted, asking for ``k``; ``prompts``: [n]
         each request's prompt (see the class)."""
-        parts = self._by_prompt(k, prompts)
-        if parts[0][0] is None:
-            return parts[0][1]._sample_proposed(k, n, rng)
-        proposed, accepted = np.zeros(n, dtype=np.int64), np.zeros(n, dtype=np.int64)
-        for rows, m in parts:
-            proposed[rows], accepted[rows] = m._sample_proposed(k, rows.size, rng)
-        return proposed, accepted
+        return self._draw(k, n, prompts, lambda m, size: m._sample_proposed(k, size, rng))
 
     def _sample(self, k: int, n: int, rng: np.random.Generator) -> np.ndarray:
         h = self._enough(k)
@@ -332,9 +335,8 @@ def recorded_model(spec, base: Path, where: str, request_class: str | None, draf
     if rec is None:
         have = [f"{c}/{x}" for c, per in data.classes.items() for x in per]
         raise ValueError(f"{where}: {path} has no recording of class {cls!r} with drafter {d!r} (it has {have})")
-    model = RecordedAcceptance.from_record(rec, spec.min_steps)
-    if not spec.per_prompt or cls != request_class:  # another class's prompt indices name other prompts
-        model.by_prompt = {}
+    # another class's prompt indices name other prompts
+    model = RecordedAcceptance.from_record(rec, spec.min_steps, spec.per_prompt and cls == request_class)
     if model.steps == 0:
         raise ValueError(f"{where}: {path} holds no request-steps of class {cls!r} with drafter {d!r}")
     return model

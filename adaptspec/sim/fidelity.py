@@ -491,9 +491,7 @@ def truths_from_recording(recording, class_names: list[str], drafters: Iterable[
                 acc[d] = BernoulliAcceptance(0.0)
                 notes.append(f"{name}/{d}: {d} never ran live; acceptance 0")
                 continue
-            acc[d] = RecordedAcceptance.from_record(recording.classes[src][d], min_steps)
-            if not per_prompt or src != name:
-                acc[d].by_prompt = {}
+            acc[d] = RecordedAcceptance.from_record(recording.classes[src][d], min_steps, per_prompt and src == name)
             if src != name:
                 notes.append(f"{name}/{d}: not recorded; {src}'s {d} acceptance instead")
         truths.append(ClassTruth(name, acc))
