@@ -64,6 +64,10 @@ def fidelity(
                                     "the run on the profile's time costs times live probe / calibration probe "
                                     "(the machine's speed drifts between minutes), its prompt table times its own "
                                     "prompt probe / the table; with --resimulate: use the probes on file"),
+    probe_tolerance: float = typer.Option(0.1, help="with --probe: a run whose speed (or prompt) probes before and "
+                                                    "after it differ by more than this, relative, is simulated "
+                                                    "without its factor (the probes cannot tell that minute's speed; "
+                                                    "inf: trust every probe)"),
     prompt_probe: bool = typer.Option(True, "--prompt-probe/--no-prompt-probe",
                                       help="with --probe: also time prompt passes around every run and price the "
                                            "run's at its own factor (no: prompt passes at the run's speed factor; "
@@ -86,6 +90,8 @@ def fidelity(
     from adaptspec.sim.fidelity_run import FidelityOptions, resimulate as resim, run_fidelity
 
     console = _console()
+    if not probe_tolerance >= 0:
+        raise ValueError(f"--probe-tolerance: must be >= 0 (inf: trust every probe), got {probe_tolerance}")
     if resimulate is not None:
         if profile and not Path(profile).is_file():
             raise ValueError(f"--profile: {profile} is not a file")
@@ -94,7 +100,8 @@ def fidelity(
         cells, goal_list, meta = resim(resimulate, out, console, config=config, host_gap=host_gap,
                                        snapshots=snapshots, sim_seeds=sim_seeds if sim_seeds > 1 else None,
                                        profile=profile, probe=probe, prompt_probe=prompt_probe,
-                                       cache_replay=cache_replay, per_prompt=per_prompt)
+                                       cache_replay=cache_replay, per_prompt=per_prompt,
+                                       probe_tolerance=probe_tolerance)
         _report(console, cells, goal_list, meta, out)
         return
     levels = load_levels(concurrency, "", think_time=think_time, think=think, seed=arrival_seed) if concurrency else []
@@ -111,7 +118,8 @@ def fidelity(
                            calibrate_batch=_ints(calibrate_batch, "--calibrate-batch"),
                            calibrate_ks=_ints(calibrate_ks, "--calibrate-ks"), sim_seeds=sim_seeds, grpc=grpc,
                            torch_threads=torch_threads, host_gap=host_gap, snapshots=snapshots, probe=probe,
-                           prompt_probe=prompt_probe, cache_replay=cache_replay, per_prompt=per_prompt, out=out)
+                           prompt_probe=prompt_probe, cache_replay=cache_replay, per_prompt=per_prompt,
+                           probe_tolerance=probe_tolerance, out=out)
     if not opts.classes:
         raise ValueError("--classes: at least one class")
     if profile and not Path(profile).is_file():

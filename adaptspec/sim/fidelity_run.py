@@ -57,6 +57,9 @@ class FidelityOptions:
     snapshots: bool = True  # the simulated policy's arms from snapshots, as a live replica's
     probe: bool = True  # speed-probe the live engine around each run; simulate it at that speed
     prompt_probe: bool = True  # with probe: also time prompt passes; price each run's at its own factor
+    # a run whose probe after it differs from the one before by more than this (relative, at any
+    # batch size or prompt length) is simulated without its factor (see speed_factors)
+    probe_tolerance: float = 0.1
     per_prompt: bool = True  # replay acceptance per prompt where recorded (else per class)
     cache_replay: bool = True  # each simulated run prefills what the prefix cache left its live run
     drain_s: float = 120.0
@@ -554,7 +557,8 @@ def host_gaps(gaps: dict[str, list[tuple[int, float]]]) -> dict[str, tuple[float
     return out
 
 
-def speed_factors(live: dict, profile, enabled: bool = True) -> tuple[dict, dict, list[str]]:
+def speed_factors(live: dict, profile, enabled: bool = True,
+                  tolerance: float = math.inf) -> tuple[dict, dict, list[str]]:
     """How fast the live engine ran each run against the calibration: {(policy, level label):
     [speed factor per run, in round order]} (``speed_factor`` of the mean of the run's probes
     before and after against the profile's reference, the mean of the calibration's start and
@@ -562,7 +566,15 @@ def speed_factors(live: dict, profile, enabled: bool = True) -> tuple[dict, dict
     max) and notes. ``live``: {path: {(policy, level): [Run]}}; the first path with probes
     gives the factors (the gRPC path's engine runs in another process: its cells are
     compared with the simulation at the in-process runs' speeds). Nothing to go by (disabled,
-    no probes on file, a profile without a probe): no factors, i.e. factor 1."""
+    no probes on file, a profile without a probe): no factors, i.e. factor 1.
+
+    ``tolerance``: a run whose probe after it differs from the one before by more than this at
+    any batch size gets no factor (nan: simulated at the mean of its level and policy's other
+    rounds' factors, or 1): its two probes are half a second each, a minute apart, and on a
+    machine whose speed switches within seconds (the AMD EPYC guest: before and after 5-33%
+    apart in most runs, factors 0.89-1.18 while the steps they bracketed ran at the
+    calibration's speed) neither says how fast the minute between them ran; where they agree
+    (the Intel Xeon guest: within 1-9%) their mean does."""
     from adaptspec.sim.speed_probe import probe_to_json, speed_factor, speed_ratios, summary
 
     ref_file = getattr(profile, "probe", None)
@@ -579,22 +591,30 @@ def speed_factors(live: dict, profile, enabled: bool = True) -> tuple[dict, dict
         return {}, meta, ["the profile has no speed probe (calibrated before probes were taken): every run "
                           "simulated at the calibration's speed (factor 1)"]
     got = _run_factors(live, "before", "after", lambda now: speed_factor(now, ref),
-                       lambda now: {"ratio_by_batch": probe_to_json(speed_ratios(now, ref))})
+                       lambda now: {"ratio_by_batch": probe_to_json(speed_ratios(now, ref))}, tolerance)
     if got is None:
         return {}, meta, ["the live runs have no speed probes (measured before probes were taken): every run "
                           "simulated at the calibration's speed (factor 1)"]
     factors, meta["per_run"] = got
     meta.update(summary([f for fs in factors.values() for f in fs]))
     meta["applied"] = True
-    return factors, meta, []
+    meta["tolerance"] = None if math.isinf(tolerance) else tolerance
+    untrusted = [r for r in meta["per_run"] if not r["agreed"]]
+    notes = []
+    if untrusted:
+        notes.append(f"{len(untrusted)} of {len(meta['per_run'])} runs' speed probes before and after differ by more "
+                     f"than {tolerance:.0%} (--probe-tolerance): those runs are simulated without their factor")
+    return factors, meta, notes
 
 
-def _run_factors(live: dict, before: str, after: str, factor, extra=None) -> tuple[dict, list] | None:
+def _run_factors(live: dict, before: str, after: str, factor, extra=None,
+                 tolerance: float = math.inf) -> tuple[dict, list] | None:
     """{(policy, level label): [``factor`` of the mean of each run's ``Run.probe[before]`` and
-    ``[after]`` (nan: the run has neither)]} and a record per probed run (its probes,
-    ``extra(mean)``, its factor), from the first path whose runs carry such probes (the gRPC
-    path's engine runs in another process and is not probed); None when no path does."""
-    from adaptspec.sim.speed_probe import mean_probe, probe_to_json
+    ``[after]`` (nan: the run has neither, or they differ by more than ``tolerance``)]} and a
+    record per probed run (its probes, how far apart they were, ``extra(mean)``, its factor),
+    from the first path whose runs carry such probes (the gRPC path's engine runs in another
+    process and is not probed); None when no path does."""
+    from adaptspec.sim.speed_probe import mean_probe, probe_to_json, speed_ratios
 
     has = lambda r: bool(r.probe) and bool(r.probe.get(before) or r.probe.get(after))  # noqa: E731
     probed = next((runs for runs in live.values() if any(has(r) for rs in runs.values() for r in rs)), None)
@@ -609,21 +629,24 @@ def _run_factors(live: dict, before: str, after: str, factor, extra=None) -> tup
                 fs.append(math.nan)
                 continue
             now = mean_probe(r.probe.get(before), r.probe.get(after))
-            f = factor(now)
+            apart = speed_ratios(r.probe.get(after) or {}, r.probe.get(before) or {})
+            spread = max((abs(x - 1.0) for x in apart.values()), default=0.0)
+            f = factor(now) if spread <= tolerance else math.nan
             fs.append(f)
             per_run.append({"policy": policy, "level": level, "round": i,
                             "before_s": probe_to_json(r.probe.get(before)), "after_s": probe_to_json(r.probe.get(after)),
-                            **(extra(now) if extra is not None else {}), "factor": None if math.isnan(f) else f})
+                            **(extra(now) if extra is not None else {}), "apart": spread,
+                            "agreed": spread <= tolerance, "factor": None if math.isnan(f) else f})
         factors[(policy, level)] = fs
     return factors, per_run
 
 
-def prompt_factors(live: dict, profile, enabled: bool = True) -> tuple[dict, dict]:
+def prompt_factors(live: dict, profile, enabled: bool = True, tolerance: float = math.inf) -> tuple[dict, dict]:
     """Each run's prompt factor (``speed_probe.prompt_factor`` of the mean of its prompt probes
     before and after against ``profile``'s prompt table): {(policy, level label): [factor per
     run]} (nan: not probed) and the meta's ``prompt_speed`` entry. The first path with prompt
-    probes gives them (as ``speed_factors``); nothing to go by: {} (the prompt table then
-    moves with the run's speed factor)."""
+    probes gives them (as ``speed_factors``, ``tolerance`` too); nothing to go by: {} (the
+    prompt table then moves with the run's speed factor)."""
     from adaptspec.sim.speed_probe import probe_to_json, prompt_factor, summary
 
     meta: dict = {"applied": False, "table_s": None}
@@ -631,7 +654,8 @@ def prompt_factors(live: dict, profile, enabled: bool = True) -> tuple[dict, dic
         meta["table_s"] = probe_to_json(dict(zip((int(x) for x in profile.prefill_tokens), profile.prefill_s)))
     if not enabled or meta["table_s"] is None:
         return {}, meta
-    got = _run_factors(live, "prompt_before", "prompt_after", lambda now: prompt_factor(now, profile))
+    got = _run_factors(live, "prompt_before", "prompt_after", lambda now: prompt_factor(now, profile),
+                       tolerance=tolerance)
     if got is None:
         return {}, meta
     factors, per_run = got
@@ -653,8 +677,9 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     truths, notes = truths_from_recording(recording, list(opts.classes), cfg.drafters, per_prompt=opts.per_prompt)
     class_specs = [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes]
     used_gap = gap if opts.host_gap else {}
-    speed, speed_meta, speed_notes = speed_factors(live, cost.profile, opts.probe)
-    prompt_speed, prompt_meta = prompt_factors(live, cost.profile, opts.probe and opts.prompt_probe)
+    speed, speed_meta, speed_notes = speed_factors(live, cost.profile, opts.probe, opts.probe_tolerance)
+    prompt_speed, prompt_meta = prompt_factors(live, cost.profile, opts.probe and opts.prompt_probe,
+                                               opts.probe_tolerance)
     notes = [*notes, *speed_notes]
     run_prompts, served = cache_replay(ps_rows, live, list(opts.classes)) if opts.cache_replay and ps_rows \
         else ({}, {})
@@ -737,7 +762,8 @@ def load_live(path: Path) -> dict:
 def resimulate(src: Path, out: Path, console, *, config: str | None = None, host_gap: bool = True,
                snapshots: bool = True, sim_seeds: int | None = None,
                profile: str | None = None, probe: bool = True, prompt_probe: bool = True,
-               cache_replay: bool = True, per_prompt: bool = True) -> tuple[list[Cell], list, dict]:
+               cache_replay: bool = True, per_prompt: bool = True,
+               probe_tolerance: float = 0.1) -> tuple[list[Cell], list, dict]:
     """The simulated side again, against the live runs a fidelity run left in ``src``
     (``live_runs.json``, ``acceptance.json``, ``prompt_set.csv``, its profile): for a changed
     simulator, without the live runs (and the quiet machine) they took. ``profile``: another
@@ -771,7 +797,7 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
                            warmup_s=meta["warmup_s"], rounds=meta["rounds"], profile=profile or meta["profile"],
                            sim_seeds=sim_seeds or meta["sim_seeds"], host_gap=host_gap, snapshots=snapshots,
                            probe=probe, prompt_probe=prompt_probe, cache_replay=cache_replay, per_prompt=per_prompt,
-                           out=Path(out))
+                           probe_tolerance=probe_tolerance, out=Path(out))
     if profile is not None:
         meta = {**meta, "profile": str(profile), "profile_measured": meta["profile"]}
     profile = Path(meta["profile"])

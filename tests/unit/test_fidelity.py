@@ -419,7 +419,8 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
     res = CliRunner().invoke(app, ["fidelity", "--config", str(cfg), "--out", str(out), "--concurrency", "2",
                                    "--rate", "20", "--duration", "0.6", "--warmup", "0.2", "--max-tokens", "6",
                                    "--policies", "thompson,static:ngram:2", "--calibrate-batch", "1,2",
-                                   "--calibrate-ks", "2", "--calibrate-repeats", "1"])
+                                   "--calibrate-ks", "2", "--calibrate-repeats", "1",
+                                   "--probe-tolerance", "inf"])  # the tiny model's steps are mostly noise
     assert res.exit_code == 0, res.output
     data = json.loads((out / "fidelity.json").read_text())
     cells = data["cells"]
@@ -456,7 +457,7 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
     # simulated side without the host's time between steps or the cache replay this time
     again = tmp_path / "again"
     res = CliRunner().invoke(app, ["fidelity", "--config", str(cfg), "--resimulate", str(out), "--out", str(again),
-                                   "--no-host-gap", "--no-cache-replay"])
+                                   "--no-host-gap", "--no-cache-replay", "--probe-tolerance", "inf"])
     assert res.exit_code == 0, res.output
     redo = json.loads((again / "fidelity.json").read_text())
     assert redo["meta"]["resimulated"]["from"] == str(out) and redo["meta"]["host_gap"] == {}
@@ -467,6 +468,9 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
         assert c["live"] == before[key(c)]
     bad = CliRunner().invoke(app, ["fidelity", "--resimulate", str(tmp_path), "--out", str(tmp_path / "x")])
     assert bad.exit_code != 0 and "--resimulate" in bad.output
+    bad = CliRunner().invoke(app, ["fidelity", "--resimulate", str(out), "--out", str(tmp_path / "x"),
+                                   "--probe-tolerance", "-0.1"])
+    assert bad.exit_code != 0 and "--probe-tolerance" in bad.output
     # speed probes: every live run probed before and after, a factor per run against the
     # calibration's probe, applied; the resimulation takes the probes on file; --no-probe does not
     speed = data["meta"]["speed"]
@@ -483,7 +487,7 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
     assert all(r["factor"] > 0 and set(r["before_s"]) == {"8", "16", "32"} for r in ps["per_run"])
     assert redo["meta"]["prompt_speed"]["per_run"] == ps["per_run"]
     res = CliRunner().invoke(app, ["fidelity", "--config", str(cfg), "--resimulate", str(out), "--out",
-                                   str(tmp_path / "noprompt"), "--no-prompt-probe"])
+                                   str(tmp_path / "noprompt"), "--no-prompt-probe", "--probe-tolerance", "inf"])
     assert res.exit_code == 0, res.output
     np_meta = json.loads((tmp_path / "noprompt" / "fidelity.json").read_text())["meta"]
     assert np_meta["speed"]["applied"] and not np_meta["prompt_speed"]["applied"]
@@ -751,6 +755,38 @@ def test_speed_factors_from_probes_and_old_live_files_without_them(tmp_path):
     assert factors == {} and not meta["applied"] and "no speed probes" in notes[0]
     factors, meta, notes = speed_factors(live, cost.profile)  # a profile calibrated before probes
     assert factors == {} and "no speed probe" in notes[0]
+
+
+def test_a_run_whose_probes_disagree_is_simulated_without_its_factor():
+    """Two probes half a second each, a minute apart, that differ by more than the tolerance
+    cannot say how fast the minute between them ran: that run gets no factor (nan: its level's
+    other rounds', else 1) and a note; runs whose probes agree keep theirs. Control: with no
+    tolerance (inf) every run keeps its factor."""
+    from adaptspec.control.costs import SpeedProbeRef
+    from adaptspec.sim.fidelity_run import _round_factors, prompt_factors, speed_factors
+
+    _, _, cost, *_ = _speed_setup(rounds=1)
+    prof = cost.profile.model_copy(update={"probe": SpeedProbeRef(batch_sizes=[1, 8], start_s=[0.010, 0.030],
+                                                                   end_s=[0.010, 0.030]),
+                                           "prefill_tokens": [8.0, 32.0], "prefill_s": [0.020, 0.050]})
+    steady = Run(_rows(0.1, 0.02, 3), (0.0, 10.0), probe={"before": {1: 0.012, 8: 0.036}, "after": {1: 0.0125, 8: 0.036},
+                                                          "prompt_before": {8: 0.021}, "prompt_after": {8: 0.021}})
+    jumpy = Run(_rows(0.1, 0.02, 3), (0.0, 10.0), probe={"before": {1: 0.010, 8: 0.030}, "after": {1: 0.010, 8: 0.042},
+                                                         "prompt_before": {8: 0.021}, "prompt_after": {8: 0.031}})
+    live = {"in-process": {("static:none:0", "c=1"): [steady, jumpy]}}
+    factors, meta, notes = speed_factors(live, prof, tolerance=0.1)
+    f = factors[("static:none:0", "c=1")]
+    assert f[0] == pytest.approx(math.sqrt(1.225 * 1.2)) and math.isnan(f[1])
+    assert [r["agreed"] for r in meta["per_run"]] == [True, False] and meta["per_run"][1]["apart"] == pytest.approx(0.4)
+    assert "1 of 2 runs" in notes[0] and meta["tolerance"] == 0.1
+    assert _round_factors(f, 1.0)(1) == pytest.approx(f[0])  # the other round's factor stands in
+    assert _round_factors([f[1]], 1.0)(0) == 1.0  # none: the calibration's speed
+    pf = prompt_factors(live, prof, tolerance=0.1)[0][("static:none:0", "c=1")]
+    assert math.isfinite(pf[0]) and math.isnan(pf[1])
+    # the control: without a tolerance the jumpy run's mean is taken at face value
+    loose, meta, notes = speed_factors(live, prof)
+    assert loose[("static:none:0", "c=1")][1] == pytest.approx(math.sqrt(1.0 * 1.2)) and notes == []
+    assert math.isfinite(prompt_factors(live, prof)[0][("static:none:0", "c=1")][1])
 
 
 def _cache_run(uses: list[tuple[str, int, int]]) -> Run:
