@@ -49,6 +49,9 @@ class RequestRecord:
     cut: bool = False  # cancelled at the end of the measured window (not an error)
     prompt_index: int = -1  # which prompt of its class's pool (bench_prompts)
     cached_tokens: int = 0  # prompt tokens the engine's prefix cache served (the last chunk's usage says)
+    # the engine's own TTFT (from the request reaching the engine; the last chunk's timings):
+    # the rest of ``ttft_s`` is the path (proxy, ingress, replica) there and back; 0: unknown
+    engine_ttft_s: float = 0.0
 
     @property
     def tpot_s(self) -> float:
@@ -190,7 +193,7 @@ def one_request(client: Client, prompt: str, cls: str, spec: LoadSpec, timeout: 
                 stop_at: float = float("inf")) -> RequestRecord:
     """One streamed request; cancelled (``cut``) if it is still running at ``stop_at``."""
     t0 = time.perf_counter()
-    ttft, tokens, arms, chunks, cached = 0.0, 0, {}, [], 0
+    ttft, tokens, arms, chunks, cached, engine_ttft = 0.0, 0, {}, [], 0, 0.0
     try:
         call = client.stream(prompt, request_class=cls, max_tokens=spec.max_tokens,
                              temperature=spec.temperature, speculation=spec.arm, timeout=timeout)
@@ -204,6 +207,7 @@ def one_request(client: Client, prompt: str, cls: str, spec: LoadSpec, timeout: 
             if chunk.finished:
                 arms = {a.arm: a.steps for a in chunk.speculation.arms}
                 cached = chunk.usage.cached_prompt_tokens
+                engine_ttft = chunk.timings.ttft_s
             elif now > stop_at:
                 call.cancel()
                 return RequestRecord(cls, ttft, now - t0, tokens, start_s=t0, chunks=chunks, cut=True)
@@ -212,7 +216,7 @@ def one_request(client: Client, prompt: str, cls: str, spec: LoadSpec, timeout: 
         return RequestRecord(cls, 0.0, time.perf_counter() - t0, 0, error=str(code or exc), start_s=t0,
                              chunks=chunks)
     return RequestRecord(cls, ttft, time.perf_counter() - t0, tokens, arms, start_s=t0, chunks=chunks,
-                         cached_tokens=cached)
+                         cached_tokens=cached, engine_ttft_s=engine_ttft)
 
 
 def run_level(client: Client, concurrency: "int | Arrivals", duration_s: float, spec: LoadSpec,

@@ -45,6 +45,8 @@ class Row:
     prompt_index: int = -1
     arms: dict[str, int] = field(default_factory=dict)  # live: request-steps per arm ("drafter:k")
     cached_tokens: int = 0  # live: prompt tokens the prefix cache served
+    # live, through a service: seconds of its TTFT outside the engine (client TTFT - the engine's)
+    path_s: float = math.nan
 
 
 @dataclass(slots=True)

@@ -68,6 +68,10 @@ def fidelity(
                                                     "after it differ by more than this, relative, is simulated "
                                                     "without its factor (the probes cannot tell that minute's speed; "
                                                     "inf: trust every probe)"),
+    path_delay: bool = typer.Option(True, "--path-delay/--no-path-delay",
+                                    help="add each level's median TTFT outside the engine, measured live through "
+                                         "the service (client TTFT less the engine's), to that path's simulated "
+                                         "token times"),
     prompt_probe: bool = typer.Option(True, "--prompt-probe/--no-prompt-probe",
                                       help="with --probe: also time prompt passes around every run and price the "
                                            "run's at its own factor (no: prompt passes at the run's speed factor; "
@@ -101,7 +105,7 @@ def fidelity(
                                        snapshots=snapshots, sim_seeds=sim_seeds if sim_seeds > 1 else None,
                                        profile=profile, probe=probe, prompt_probe=prompt_probe,
                                        cache_replay=cache_replay, per_prompt=per_prompt,
-                                       probe_tolerance=probe_tolerance)
+                                       probe_tolerance=probe_tolerance, path_delay=path_delay)
         _report(console, cells, goal_list, meta, out)
         return
     levels = load_levels(concurrency, "", think_time=think_time, think=think, seed=arrival_seed) if concurrency else []
@@ -119,7 +123,7 @@ def fidelity(
                            calibrate_ks=_ints(calibrate_ks, "--calibrate-ks"), sim_seeds=sim_seeds, grpc=grpc,
                            torch_threads=torch_threads, host_gap=host_gap, snapshots=snapshots, probe=probe,
                            prompt_probe=prompt_probe, cache_replay=cache_replay, per_prompt=per_prompt,
-                           probe_tolerance=probe_tolerance, out=out)
+                           probe_tolerance=probe_tolerance, path_delay=path_delay, out=out)
     if not opts.classes:
         raise ValueError("--classes: at least one class")
     if profile and not Path(profile).is_file():

@@ -60,6 +60,9 @@ class FidelityOptions:
     # a run whose probe after it differs from the one before by more than this (relative, at any
     # batch size or prompt length) is simulated without its factor (see speed_factors)
     probe_tolerance: float = 0.1
+    # add each level's median time outside the engine (measured live through a service) to the
+    # simulated side's token times of that path (see path_delays)
+    path_delay: bool = True
     per_prompt: bool = True  # replay acceptance per prompt where recorded (else per class)
     cache_replay: bool = True  # each simulated run prefills what the prefix cache left its live run
     drain_s: float = 120.0
@@ -78,9 +81,11 @@ def rows_from_records(records) -> list[Row]:
     rows = []
     for r in records:
         error = bool(r.error)
+        engine = getattr(r, "engine_ttft_s", 0.0)
         rows.append(Row(r.request_class, r.start_s, r.start_s + r.ttft_s if r.ttft_s > 0 else math.nan,
                         r.start_s + r.e2e_s if not (r.cut or error) else math.nan, r.tokens, r.cut, error,
-                        list(r.chunks), r.prompt_index, dict(r.arms), getattr(r, "cached_tokens", 0)))
+                        list(r.chunks), r.prompt_index, dict(r.arms), getattr(r, "cached_tokens", 0),
+                        max(r.ttft_s - engine, 0.0) if r.ttft_s > 0 and engine > 0 else math.nan))
     return rows
 
 
@@ -362,12 +367,47 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
     return out
 
 
-def compare(path: str, live: dict, sim: dict, classes: list[str]) -> list[Cell]:
+def path_delays(live: dict) -> dict:
+    """{path: {(policy, level label): seconds}}: the median over a level's live requests of the
+    TTFT spent outside the engine (``Row.path_s``: the client's TTFT less the engine's), for the
+    paths whose requests report the engine's (a service: the gRPC proxy, the ingress, the
+    replica's event loop and the engine process's pipe, there and back)."""
+    out: dict = {}
+    for path, runs in live.items():
+        for key, rs in runs.items():
+            d = [r.path_s for run in rs for r in run.rows if math.isfinite(r.path_s)]
+            if d:
+                out.setdefault(path, {})[key] = float(np.median(d))
+    return out
+
+
+def delayed(runs: list, d: float) -> list:
+    """Simulated runs as a client behind a path of ``d`` seconds sees them: every token (the
+    first, the chunks, the last) ``d`` later. TPOT does not move; TTFT grows by ``d``. (A
+    closed-loop client's next request also leaves ``d`` later, which the engine's simulation
+    does not see: second order where ``d`` is a small part of a request's life.)"""
+    from dataclasses import replace
+
+    out = []
+    for run in runs:
+        rows = [replace(r, first_token_s=r.first_token_s + d, end_s=r.end_s + d,
+                        chunks=None if r.chunks is None else [(t + d, n) for t, n in r.chunks]) for r in run.rows]
+        out.append(replace(run, rows=rows))
+    return out
+
+
+def compare(path: str, live: dict, sim: dict, classes: list[str], delays: dict | None = None) -> list[Cell]:
+    """Cells of ``path``'s live runs against the simulated ones; ``delays``: {(policy, level
+    label): seconds} of the path outside the engine (``path_delays``), added to the simulated
+    side's token times."""
     cells = []
     for (policy, level), live_runs in live.items():
         if (policy, level) not in sim:
             continue
         sim_runs, sim_arms = sim[(policy, level)]
+        d = (delays or {}).get((policy, level), 0.0)
+        if d > 0:
+            sim_runs = delayed(sim_runs, d)
         adaptive = not policy.startswith("static")
         for cls in [*classes, ALL]:
             arms = sim_arms.get(cls, {}) if cls != ALL else _sum_arms(sim_arms.values())
@@ -686,12 +726,14 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     sim = simulate_all(cfg, opts, cost, truths, class_specs, prompt_set, host_gap=used_gap, speed=speed,
                        run_prompts=run_prompts, prompt_speed=prompt_speed)
     cells = []
+    delays = path_delays(live) if opts.path_delay else {}
     for path, runs in live.items():
-        cells += compare(path, runs, sim, list(opts.classes))
+        cells += compare(path, runs, sim, list(opts.classes), delays.get(path))
     goal_list = goals(cells)
     meta = {**meta, "notes": notes, "speed": speed_meta, "prompt_speed": prompt_meta,
             "host_gap": {p: {"a_s": a, "per_request_s": b} for p, (a, b) in used_gap.items()},
             "sim_snapshots_s": cfg.controller.report_interval_s if opts.snapshots else None,
+            "path_delay_s": {p: {f"{pol} {lv}": d for (pol, lv), d in per.items()} for p, per in delays.items()},
             "cache_replay": {f"{p} {lv}": [None if math.isnan(x) else round(x, 2) for x in v]
                              for (p, lv), v in served.items()} if served else None}
     (out / "fidelity.json").write_text(to_json(cells, goal_list, meta))
@@ -720,7 +762,8 @@ def save_live(path: Path, live: dict, profile=None) -> None:
             for run in rs:
                 w0, w1 = run.window
                 rows = [[r.request_class, r.start_s, r.first_token_s, r.end_s, r.tokens, r.cut, r.error,
-                         tokens_in_window(r, w0, w1), r.prompt_index, r.arms, r.cached_tokens] for r in run.rows]
+                         tokens_in_window(r, w0, w1), r.prompt_index, r.arms, r.cached_tokens, r.path_s]
+                        for r in run.rows]
                 item = {"policy": policy, "level": level, "window": [w0, w1], "steps": run.steps,
                         "step_wall_s": run.step_wall_s, "busy_s": run.busy_s, "rows": rows}
                 if run.probe:
@@ -736,11 +779,11 @@ def save_live(path: Path, live: dict, profile=None) -> None:
     for runs in data.values():
         for run in runs:
             run["rows"] = [[clean(v) for v in row] for row in run["rows"]]
-    path.write_text(json.dumps({"version": 2, "live": data}, separators=(",", ":")))
+    path.write_text(json.dumps({"version": 3, "live": data}, separators=(",", ":")))
 
 
 def load_live(path: Path) -> dict:
-    """``save_live``'s file; version 1 (no speed probes) too."""
+    """``save_live``'s file; versions 1 (no speed probes) and 2 (no path delays) too."""
     from adaptspec.sim.speed_probe import probe_from_json
 
     data = json.loads(Path(path).read_text())
@@ -751,8 +794,8 @@ def load_live(path: Path) -> dict:
         for run in runs:
             w0, w1 = run["window"]
             rows = [Row(c, start, nan if first is None else first, nan if end is None else end, tokens, cut, error,
-                        [(w0, in_window)], idx, dict(arms), cached)
-                    for c, start, first, end, tokens, cut, error, in_window, idx, arms, cached in run["rows"]]
+                        [(w0, in_window)], idx, dict(arms), cached, nan if not rest or rest[0] is None else rest[0])
+                    for c, start, first, end, tokens, cut, error, in_window, idx, arms, cached, *rest in run["rows"]]
             per.setdefault((run["policy"], run["level"]), []).append(
                 Run(rows, (w0, w1), run["steps"], run["step_wall_s"], run["busy_s"],
                     probe={k: probe_from_json(v) for k, v in run["probe"].items()} if run.get("probe") else None))
@@ -763,7 +806,7 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
                snapshots: bool = True, sim_seeds: int | None = None,
                profile: str | None = None, probe: bool = True, prompt_probe: bool = True,
                cache_replay: bool = True, per_prompt: bool = True,
-               probe_tolerance: float = 0.1) -> tuple[list[Cell], list, dict]:
+               probe_tolerance: float = 0.1, path_delay: bool = True) -> tuple[list[Cell], list, dict]:
     """The simulated side again, against the live runs a fidelity run left in ``src``
     (``live_runs.json``, ``acceptance.json``, ``prompt_set.csv``, its profile): for a changed
     simulator, without the live runs (and the quiet machine) they took. ``profile``: another
@@ -797,7 +840,7 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
                            warmup_s=meta["warmup_s"], rounds=meta["rounds"], profile=profile or meta["profile"],
                            sim_seeds=sim_seeds or meta["sim_seeds"], host_gap=host_gap, snapshots=snapshots,
                            probe=probe, prompt_probe=prompt_probe, cache_replay=cache_replay, per_prompt=per_prompt,
-                           probe_tolerance=probe_tolerance, out=Path(out))
+                           probe_tolerance=probe_tolerance, path_delay=path_delay, out=Path(out))
     if profile is not None:
         meta = {**meta, "profile": str(profile), "profile_measured": meta["profile"]}
     profile = Path(meta["profile"])

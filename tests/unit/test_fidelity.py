@@ -479,7 +479,7 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
     assert speed["min"] <= speed["median"] <= speed["max"] and "speed factor" in res.output
     assert redo["meta"]["speed"]["per_run"] == speed["per_run"]
     saved = json.loads((out / "live_runs.json").read_text())
-    assert saved["version"] == 2 and all(r["probe"]["before"] and r["speed_factor"] > 0
+    assert saved["version"] == 3 and all(r["probe"]["before"] and r["speed_factor"] > 0
                                          for r in saved["live"]["in-process"])
     # prompt probes beside them (the calibration has a prompt table): a prompt factor per run
     ps = data["meta"]["prompt_speed"]
@@ -840,3 +840,37 @@ def test_a_run_whose_cache_served_less_is_simulated_with_a_later_first_token():
     plain, _ = simulate_all(cfg, opts, cost, truths, specs, prompts)[key]
     base = [side_metrics([r], None).ttft_p50 for r in plain]
     assert base[1] == pytest.approx(base[0], rel=0.02) and base[0] == pytest.approx(ttft[1], rel=0.02)
+
+
+def test_the_path_outside_the_engine_is_measured_live_and_added_to_the_simulated_tokens(tmp_path):
+    """Through a service the client's TTFT holds the engine's plus the path's (proxy, ingress,
+    replica, engine pipe): rows keep that difference, the live file keeps it (version 2 files,
+    without it, still load), and a path's simulated runs are compared with every token that
+    much later: TTFT matches, TPOT does not move. Control: ``--no-path-delay`` (delays None)."""
+    from adaptspec.serve.loadtest import RequestRecord
+    from adaptspec.sim.fidelity_run import compare, load_live, path_delays, rows_from_records, save_live
+
+    recs = [RequestRecord("c", 0.13 + 0.01 * i, 0.33 + 0.01 * i, 11, start_s=float(i), engine_ttft_s=0.03)
+            for i in range(10)]
+    recs.append(RequestRecord("c", 0.2, 0.5, 11, start_s=10.0))  # in-process: no engine TTFT
+    rows = rows_from_records(recs)
+    assert [r.path_s for r in rows[:3]] == pytest.approx([0.10, 0.11, 0.12]) and math.isnan(rows[-1].path_s)
+    live = {"grpc": {("static:none:0", "c=1"): [Run(rows, (0.0, 12.0))]},
+            "in-process": {("static:none:0", "c=1"): [Run(_rows(0.03, 0.02, 11), (0.0, 12.0))]}}
+    delays = path_delays(live)
+    assert delays == {"grpc": {("static:none:0", "c=1"): pytest.approx(0.145)}}  # the median of 0.10 .. 0.19
+    sim = {("static:none:0", "c=1"): ([Run(_rows(0.03, 0.02, 11), (0.0, 12.0))], {})}
+    cell = lambda d: next(c for c in compare("grpc", live["grpc"], sim, ["c"], d) if c.request_class == "c")  # noqa: E731
+    with_delay, without = cell(delays["grpc"]), cell(None)
+    assert with_delay.sim.ttft_p50 == pytest.approx(0.03 + 0.145) and without.sim.ttft_p50 == pytest.approx(0.03)
+    assert with_delay.sim.tpot_p50 == pytest.approx(without.sim.tpot_p50) == pytest.approx(0.02)
+    assert sim[("static:none:0", "c=1")][0][0].rows[0].first_token_s == pytest.approx(0.03)  # not changed in place
+    save_live(tmp_path / "live.json", live)
+    back = load_live(tmp_path / "live.json")
+    assert [r.path_s for r in back["grpc"][("static:none:0", "c=1")][0].rows][:2] == pytest.approx([0.10, 0.11])
+    old = json.loads((tmp_path / "live.json").read_text())
+    old["version"] = 2
+    for run in old["live"]["grpc"]:
+        run["rows"] = [row[:11] for row in run["rows"]]
+    (tmp_path / "v2.json").write_text(json.dumps(old))
+    assert path_delays(load_live(tmp_path / "v2.json")) == {}
