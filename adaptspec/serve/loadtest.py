@@ -207,7 +207,8 @@ def one_request(client: Client, prompt: str, cls: str, spec: LoadSpec, timeout: 
             if chunk.finished:
                 arms = {a.arm: a.steps for a in chunk.speculation.arms}
                 cached = chunk.usage.cached_prompt_tokens
-                engine_ttft = chunk.timings.ttft_s
+                timings = getattr(chunk, "timings", None)  # the HTTP API's chunks carry none
+                engine_ttft = timings.ttft_s if timings is not None else 0.0
             elif now > stop_at:
                 call.cancel()
                 return RequestRecord(cls, ttft, now - t0, tokens, start_s=t0, chunks=chunks, cut=True)

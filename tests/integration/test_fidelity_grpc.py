@@ -40,8 +40,17 @@ def test_fidelity_runs_both_paths_and_the_grpc_rows_carry_cached_tokens(tiny_dir
     # its full blocks (the pools are 8 prompts a class, so a run of this length repeats them)
     rows = json.loads((out / "live_runs.json").read_text())["live"]["grpc"][0]["rows"]
     seen, again = set(), []
-    for cls, start, first, end, tokens, cut, error, in_window, idx, arms, cached in sorted(rows, key=lambda r: r[1]):
+    paths = []
+    for cls, start, first, end, tokens, cut, error, in_window, idx, arms, cached, path in sorted(rows, key=lambda r: r[1]):
         if (cls, idx) in seen and not error:
             again.append(cached)
         seen.add((cls, idx))
+        if end is not None and not error:
+            paths.append((path, first - start))
     assert again and max(again) >= 16, again
+    # and the engine's own TTFT (the last chunk's timings): every finished request's time outside
+    # the engine, whose median per level is added to the gRPC path's simulated tokens
+    assert paths and all(p is not None and p >= 0 for p, _ in paths), paths
+    assert all(p <= ttft + 1e-9 for p, ttft in paths), paths
+    delays = json.loads((out / "fidelity.json").read_text())["meta"]["path_delay_s"]
+    assert set(delays) == {"grpc"} and list(delays["grpc"]) == ["static:ngram:2 c=2"]
