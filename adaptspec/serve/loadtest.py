@@ -207,8 +207,7 @@ def one_request(client: Client, prompt: str, cls: str, spec: LoadSpec, timeout: 
             if chunk.finished:
                 arms = {a.arm: a.steps for a in chunk.speculation.arms}
                 cached = chunk.usage.cached_prompt_tokens
-                timings = getattr(chunk, "timings", None)  # the HTTP API's chunks carry none
-                engine_ttft = timings.ttft_s if timings is not None else 0.0
+                engine_ttft = chunk.timings.ttft_s
             elif now > stop_at:
                 call.cancel()
                 return RequestRecord(cls, ttft, now - t0, tokens, start_s=t0, chunks=chunks, cut=True)
@@ -488,17 +487,23 @@ class _Usage:
 
 
 @dataclass(slots=True)
+class _Timings:
+    ttft_s: float = 0.0  # the engine's own TTFT: the HTTP API does not say (0: unknown)
+
+
+@dataclass(slots=True)
 class _HttpChunk:
     token_ids: list[int]
     finished: bool
     speculation: _Speculation
     usage: _Usage = field(default_factory=_Usage)
+    timings: _Timings = field(default_factory=_Timings)
 
 
 class HttpClient:
     """The OpenAI-compatible HTTP API behind the part of ``Client`` that ``one_request`` uses:
     ``stream(...)`` returns an iterable of chunks (``token_ids``, ``finished``,
-    ``speculation.arms``) with ``cancel()``. Each request is a streamed chat completion (the
+    ``speculation.arms``, ``usage``, ``timings``) with ``cancel()``. Each request is a streamed chat completion (the
     server applies the chat template, as it does for a gRPC prompt) with ``return_token_ids``;
     ``temperature`` None is greedy, the gRPC default. The standard library's ``http.client``
     with one keep-alive connection per thread, so no client library's own cost is measured."""

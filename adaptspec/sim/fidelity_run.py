@@ -81,10 +81,10 @@ def rows_from_records(records) -> list[Row]:
     rows = []
     for r in records:
         error = bool(r.error)
-        engine = getattr(r, "engine_ttft_s", 0.0)
+        engine = r.engine_ttft_s
         rows.append(Row(r.request_class, r.start_s, r.start_s + r.ttft_s if r.ttft_s > 0 else math.nan,
                         r.start_s + r.e2e_s if not (r.cut or error) else math.nan, r.tokens, r.cut, error,
-                        list(r.chunks), r.prompt_index, dict(r.arms), getattr(r, "cached_tokens", 0),
+                        list(r.chunks), r.prompt_index, dict(r.arms), r.cached_tokens,
                         max(r.ttft_s - engine, 0.0) if r.ttft_s > 0 and engine > 0 else math.nan))
     return rows
 
@@ -611,10 +611,8 @@ def speed_factors(live: dict, profile, enabled: bool = True,
     ``tolerance``: a run whose probe after it differs from the one before by more than this at
     any batch size gets no factor (nan: simulated at the mean of its level and policy's other
     rounds' factors, or 1): its two probes are half a second each, a minute apart, and on a
-    machine whose speed switches within seconds (the AMD EPYC guest: before and after 5-33%
-    apart in most runs, factors 0.89-1.18 while the steps they bracketed ran at the
-    calibration's speed) neither says how fast the minute between them ran; where they agree
-    (the Intel Xeon guest: within 1-9%) their mean does."""
+    machine whose speed switches within seconds neither says how fast the minute between them
+    ran; where they agree, their mean does (measurements: simulations/FIDELITY.md)."""
     from adaptspec.sim.speed_probe import probe_to_json, speed_factor, speed_ratios, summary
 
     ref_file = getattr(profile, "probe", None)
