@@ -22,6 +22,8 @@ from typing import Iterable
 
 import numpy as np
 
+from adaptspec.sim import step_shapes
+
 METRICS = ("throughput", "ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99")
 # the goals of issue #29: |relative error| within these bounds in every cell
 BOUNDS = {"throughput": 0.10, "tpot_p50": 0.10, "ttft_p50": 0.20}
@@ -62,6 +64,8 @@ class Run:
     # live: speed probes of the engine right before and after the run ({"before"/"after":
     # {batch size: decode-step seconds}}, ``speed_probe``); None: not probed
     probe: dict | None = None
+    # every step's shape inside the window (``sim.step_shapes``); None: not logged
+    shapes: list | None = None
 
     @property
     def seconds(self) -> float:
@@ -443,7 +447,7 @@ def simulate_level(level: SimLevel, *, policy, cost, truths, classes, prompt_set
     if level.arrivals_s is None:
         empty = Requests(np.zeros(0), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
         setup = RunSetup(cost, truths, empty, 1, "least_loaded", max_k, horizon, drain_s, bin_s, seed,
-                         host_gap=host_gap)
+                         host_gap=host_gap, record_shapes=True)
         out, req = simulate_closed_loop(setup, policy, level.clients,
                                         ThinkTimeSpec(dist=level.think, mean_s=level.think_s), source)
     else:
@@ -452,10 +456,11 @@ def simulate_level(level: SimLevel, *, policy, cost, truths, classes, prompt_set
         cls, p, o, pick = source.take(t.size)
         req = Requests(t, p, o, cls, pick)
         out = simulate(RunSetup(cost, truths, req, 1, "least_loaded", max_k, horizon, drain_s, bin_s, seed,
-                                host_gap=host_gap), policy)
+                                host_gap=host_gap, record_shapes=True), policy)
     window = (warmup_s, horizon)
-    return (Run(rows_from_sim(req, out.recorder, names), window, *step_time(out.recorder.step_end,
-                                                                             out.recorder.step_wall, window)),
+    return (Run(rows_from_sim(req, out.recorder, names), window,
+                *step_time(out.recorder.step_end, out.recorder.step_wall, window),
+                shapes=step_shapes.inside(out.recorder.step_shapes or [], window)),
             sim_arm_steps(out.recorder, names, window))
 
 

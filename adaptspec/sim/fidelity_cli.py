@@ -27,9 +27,9 @@ def _ints(text: str, option: str) -> tuple[int, ...]:
 def fidelity(
     config: Optional[str] = typer.Option(None, help="service config YAML (models, engine, controller); default: "
                                                     "the embedded one"),
-    out: Path = typer.Option(Path("fidelity"), "--out", help="folder for the report (fidelity.json, fidelity.png) "
-                                                             "and what it used (profile, acceptance, prompt set, "
-                                                             "scenario)"),
+    out: Path = typer.Option(Path("fidelity"), "--out", help="folder for the report (fidelity.json, fidelity.png, "
+                                                             "step_shapes.md) and what it used (profile, "
+                                                             "acceptance, prompt set, scenario)"),
     concurrency: str = typer.Option("1,4,16", help="closed-loop client counts (comma-separated; empty: none)"),
     rate: str = typer.Option("", help="open-loop arrival rates, requests/s (comma-separated)"),
     arrival: str = typer.Option("poisson", help="open-loop inter-arrival law: poisson | gamma"),
@@ -173,4 +173,7 @@ def _report(console, cells, goal_list, meta, out: Path) -> None:
     for n in meta["notes"]:
         console.print(f"note: {n}")
     png = plot(cells, out / "fidelity.png", title=f"simulated vs live, {meta['machine']}, {meta['date'][:10]}")
-    console.print(f"wrote {out / 'fidelity.json'}, {png}, {out / 'scenario.yaml'}")
+    shapes = out / "step_shapes.md"
+    console.print(f"wrote {out / 'fidelity.json'}, {png}, {out / 'scenario.yaml'}"
+                  + (f", {shapes} (engine steps by shape: the live ones priced on the profile)" if shapes.is_file()
+                     else ""))

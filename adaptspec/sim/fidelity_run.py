@@ -31,6 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
+from adaptspec.sim import step_shapes
 from adaptspec.sim.fidelity import (
     ALL, Cell, Row, Run, SimLevel, SnapshotPolicy, acceptance_source, goals, make_cell, side_metrics, simulate_level, step_time,
     to_json, truths_from_recording,
@@ -215,15 +216,21 @@ class StepLog:
         self._rows: list[int] = []
         self._busy: list[bool] = []
         self.gaps: dict[str, list[tuple[int, float]]] = {}  # policy in force -> (requests, seconds)
+        self.shapes: list[list] = []  # every step's shape (``sim.step_shapes``)
 
     def __call__(self, st) -> None:
-        self.steps.append((time.perf_counter(), st.wall_s))
+        now = time.perf_counter()
+        self.steps.append((now, st.wall_s))
+        self.shapes.append(step_shapes.from_step(st, now))
         self._rows.append(int(st.batch_size) + int(st.num_prefill))
         self._busy.append(True if self.engine is None else bool(self.engine.has_unfinished()))
 
     def inside(self, w0: float, w1: float) -> tuple[int, float, float]:
         """``step_time`` of the logged steps over [w0, w1]."""
         return step_time([t for t, _ in self.steps], [w for _, w in self.steps], (w0, w1))
+
+    def shapes_inside(self, w0: float, w1: float) -> list[list]:
+        return step_shapes.inside(self.shapes, (w0, w1))
 
     def clear(self, policy: str = "*") -> None:
         """End of a run of ``policy``: keep its gaps, forget its steps (the next run's first
@@ -233,6 +240,7 @@ class StepLog:
             if self._busy[i - 1]:
                 gaps.append((self._rows[i - 1], self.steps[i][0] - self.steps[i][1] - self.steps[i - 1][0]))
         self.steps.clear()
+        self.shapes.clear()
         self._rows.clear()
         self._busy.clear()
 
@@ -256,7 +264,8 @@ def _live_levels(opts: FidelityOptions, spec, console, *, current, switch, run_o
         runs.setdefault((current(), as_arrivals(n).label), []).append(
             Run(rows_from_records(got), (window.start_s, window.end_s), *steps,
                 probe=None if probe is None else {"before": before, "after": after,
-                                                  "prompt_before": p_before, "prompt_after": p_after}))
+                                                  "prompt_before": p_before, "prompt_after": p_after},
+                shapes=step_log.shapes_inside(window.start_s, window.end_s) if step_log is not None else None))
         if step_log is not None:
             step_log.clear(current())
         return got, window
@@ -735,10 +744,39 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
             "cache_replay": {f"{p} {lv}": [None if math.isnan(x) else round(x, 2) for x in v]
                              for (p, lv), v in served.items()} if served else None}
     (out / "fidelity.json").write_text(to_json(cells, goal_list, meta))
+    tables = shape_tables(live, sim, cost, speed, prompt_speed)
+    if tables:
+        (out / "step_shapes.md").write_text(step_shapes.markdown(tables))
+        (out / "step_shapes.json").write_text(json.dumps(
+            [{"path": p, "policy": pol, "level": lv, "rows": rows} for (p, pol, lv), rows in tables.items()],
+            indent=1, default=lambda x: None))
     (out / "scenario.yaml").write_text(yaml.safe_dump(scenario_yaml(opts, cfg, str(Path(meta["profile"]).resolve()),
                                                                     recording, "acceptance.json", "prompt_set.csv"),
                                                       sort_keys=False))
     return cells, goal_list, meta
+
+
+def shape_tables(live: dict, sim: dict, cost, speed: dict, prompt_speed: dict) -> dict:
+    """{(path, policy, level label): ``step_shapes.table``} for every live level whose engine
+    steps were logged (the in-process path: the gRPC path's engine runs in another process);
+    live round r's steps are priced on the cost its simulated round ran on."""
+    from adaptspec.control.costs import ProfileCostModel
+
+    out = {}
+    for path, runs in live.items():
+        for key, rs in runs.items():
+            if key not in sim or not any(r.shapes for r in rs):
+                continue
+            factor = _round_factors(speed.get(key, []), 1.0)
+            p_factor = _round_factors(prompt_speed.get(key, []), None)
+
+            def cost_of(r, factor=factor, p_factor=p_factor):
+                f, fp = factor(r), p_factor(r)
+                return cost if f == 1.0 and fp is None else ProfileCostModel(cost.profile.scaled(f, fp))
+
+            out[(path, *key)] = step_shapes.table([r.shapes or [] for r in rs],
+                                                  [r.shapes or [] for r in sim[key][0]], cost_of)
+    return out
 
 
 # ---- the live runs on file: simulate them again (a changed model) without running them again ---
@@ -764,6 +802,8 @@ def save_live(path: Path, live: dict, profile=None) -> None:
                         for r in run.rows]
                 item = {"policy": policy, "level": level, "window": [w0, w1], "steps": run.steps,
                         "step_wall_s": run.step_wall_s, "busy_s": run.busy_s, "rows": rows}
+                if run.shapes is not None:
+                    item["shapes"] = [[round(x, 6) if isinstance(x, float) else x for x in sh] for sh in run.shapes]
                 if run.probe:
                     item["probe"] = {k: probe_to_json(v) for k, v in run.probe.items()}
                     if ref is not None:
@@ -777,11 +817,12 @@ def save_live(path: Path, live: dict, profile=None) -> None:
     for runs in data.values():
         for run in runs:
             run["rows"] = [[clean(v) for v in row] for row in run["rows"]]
-    path.write_text(json.dumps({"version": 3, "live": data}, separators=(",", ":")))
+    path.write_text(json.dumps({"version": 4, "live": data}, separators=(",", ":")))
 
 
 def load_live(path: Path) -> dict:
-    """``save_live``'s file; versions 1 (no speed probes) and 2 (no path delays) too."""
+    """``save_live``'s file; versions 1 (no speed probes), 2 (no path delays) and 3 (no step
+    shapes) too."""
     from adaptspec.sim.speed_probe import probe_from_json
 
     data = json.loads(Path(path).read_text())
@@ -796,7 +837,8 @@ def load_live(path: Path) -> dict:
                     for c, start, first, end, tokens, cut, error, in_window, idx, arms, cached, *rest in run["rows"]]
             per.setdefault((run["policy"], run["level"]), []).append(
                 Run(rows, (w0, w1), run["steps"], run["step_wall_s"], run["busy_s"],
-                    probe={k: probe_from_json(v) for k, v in run["probe"].items()} if run.get("probe") else None))
+                    probe={k: probe_from_json(v) for k, v in run["probe"].items()} if run.get("probe") else None,
+                    shapes=run.get("shapes")))
     return out
 
 

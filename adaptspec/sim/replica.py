@@ -59,6 +59,8 @@ class Recorder:
     step_wall: list[float] = field(default_factory=list)
     step_decoding: list[int] = field(default_factory=list)
     step_emitted: list[int] = field(default_factory=list)
+    # a list: every step's shape is appended (``sim.step_shapes``; fidelity runs keep them)
+    step_shapes: list | None = None
     arm_counts: np.ndarray = field(init=False)  # [C, bins, A] request-steps per arm
     accepted_sum: np.ndarray = field(init=False)  # [C, bins] sum of accepted lengths
     accepted_n: np.ndarray = field(init=False)  # [C, bins] request-steps
@@ -367,6 +369,10 @@ class Replica:
         rec.step_wall.append(t.wall_s)
         rec.step_decoding.append(n_dec)
         rec.step_emitted.append(emitted_total)
+        if rec.step_shapes is not None:
+            rec.step_shapes.append([end, n_dec if scheduled is None else int(scheduled.sum()), prefill_tokens,
+                                    decode_tokens, context, ngram, t.draft_s, t.verify_s, t.other_s,
+                                    *(int(x) for x in draft_batch if x > 0)])
         self.last_verify_tokens, self.last_context = verify_tokens, context
         if self.admission is not None:
             self.admission.observe(t.wall_s, prefill_tokens, bool(self.queue) or bool(self.prefilling))

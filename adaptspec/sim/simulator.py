@@ -30,6 +30,7 @@ class RunSetup:
     drafters: tuple[str, ...] = ("ngram", "draft")
     admission: SloAdmission | None = None  # one per replica (copied)
     host_gap: tuple[float, float] = (0.0, 0.0)  # host seconds between steps: a + b per request (``Replica``)
+    record_shapes: bool = False  # keep every step's shape (``Recorder.step_shapes``)
 
 
 @dataclass(slots=True)
@@ -49,7 +50,8 @@ class Simulation:
         self.horizon = setup.duration_s + setup.drain_s
         if recorder is None:
             num_bins = int(np.ceil(self.horizon / setup.bin_s)) + 1
-            recorder = Recorder(len(req), len(setup.classes), policy.table.arms, setup.bin_s, num_bins)
+            recorder = Recorder(len(req), len(setup.classes), policy.table.arms, setup.bin_s, num_bins,
+                                step_shapes=[] if setup.record_shapes else None)
         self.rec = recorder
         self.rng = np.random.default_rng(setup.seed)
         self.replicas = [Replica(setup.cost, policy, setup.classes, req, recorder, np.random.default_rng([setup.seed, i]),

@@ -479,8 +479,23 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
     assert speed["min"] <= speed["median"] <= speed["max"] and "speed factor" in res.output
     assert redo["meta"]["speed"]["per_run"] == speed["per_run"]
     saved = json.loads((out / "live_runs.json").read_text())
-    assert saved["version"] == 3 and all(r["probe"]["before"] and r["speed_factor"] > 0
+    assert saved["version"] == 4 and all(r["probe"]["before"] and r["speed_factor"] > 0
                                          for r in saved["live"]["in-process"])
+    # every live step's shape is kept (its phases add up to the step), and the report prices
+    # them on the profile beside the simulated steps' shapes, the resimulation too
+    for r in saved["live"]["in-process"]:
+        assert len(r["shapes"]) == r["steps"] > 0
+        assert sum(sum(s[6:9]) for s in r["shapes"]) == pytest.approx(r["step_wall_s"], abs=1e-4)
+        assert any(s[2] > 0 for s in r["shapes"]) and any(s[1] > 0 for s in r["shapes"])
+    for folder in (out, again):
+        tables = json.loads((folder / "step_shapes.json").read_text())
+        assert {(t["policy"], t["level"]) for t in tables} == {(p, lv) for p in ("thompson", "static:ngram:2")
+                                                               for lv in ("c=2", "20 rps")}
+        for t in tables:
+            total = t["rows"][-1]
+            assert total["decoding"] == "all" and total["live_n"] > 0 and total["sim_n"] > 0
+            assert total["repriced_ms"] > 0 and total["sim_ms"] > 0
+        assert "priced err" in (folder / "step_shapes.md").read_text()
     # prompt probes beside them (the calibration has a prompt table): a prompt factor per run
     ps = data["meta"]["prompt_speed"]
     assert ps["applied"] and ps["probed_runs"] == len(ps["per_run"]) == 4
@@ -874,3 +889,48 @@ def test_the_path_outside_the_engine_is_measured_live_and_added_to_the_simulated
         run["rows"] = [row[:11] for row in run["rows"]]
     (tmp_path / "v2.json").write_text(json.dumps(old))
     assert path_delays(load_live(tmp_path / "v2.json")) == {}
+
+
+def test_step_shapes_price_the_simulated_steps_on_their_own_profile_with_a_control():
+    """Every simulated step keeps its shape, and the shape priced again on the profile it ran
+    on gives its own time: the re-pricing the report applies to live steps is the simulator's
+    own pricing. Controls: steps 25% slower than the profile show a -20% priced error, and a
+    mix of other shapes (4 clients against 1) shows in the shares, not in the price."""
+    from adaptspec.sim import step_shapes
+    from adaptspec.sim.fidelity_run import shape_tables, simulate_all
+
+    cfg, opts, cost, truths, specs, prompts = _speed_setup(rounds=1)
+    opts.levels = [1, 4]
+    sim = simulate_all(cfg, opts, cost, truths, specs, prompts)
+    for (_, level), (runs, _) in sim.items():
+        run = runs[0]
+        assert run.shapes and len(run.shapes) == run.steps
+        assert sum(s[6] + s[7] + s[8] for s in run.shapes) == pytest.approx(run.step_wall_s)
+        for s in run.shapes:
+            assert run.window[0] <= s[0] <= run.window[1]
+            assert sum(step_shapes.reprice(s, cost)) == pytest.approx(s[6] + s[7] + s[8])
+    one = sim[("static:none:0", "c=1")][0][0]
+    assert {s[1] for s in one.shapes} <= {0, 1}  # one client: its prompt pass, then decoding alone
+    slow = [[*s[:6], *(1.25 * x for x in s[6:9]), *s[9:]] for s in one.shapes]
+    key = ("static:none:0", "c=1")
+    live = {"in-process": {key: [Run([], one.window, shapes=slow)]}}
+    rows = shape_tables(live, sim, cost, {}, {})[("in-process", *key)]
+    total = rows[-1]
+    assert total["decoding"] == "all" and total["share_live"] == total["share_sim"] == 1.0
+    assert total["repriced_ms"] / total["live_ms"] == pytest.approx(0.8)
+    assert total["sim_ms"] == pytest.approx(total["repriced_ms"])
+    # the same live steps against the 4-client simulation: the shares differ, the price does not
+    key4 = ("static:none:0", "c=4")
+    live4 = {"in-process": {key4: [Run([], one.window, shapes=one.shapes)]}}
+    rows4 = {(r["decoding"], r["prompt"]): r for r in shape_tables(live4, sim, cost, {}, {})[("in-process", *key4)]}
+    alone = rows4[("1", False)]
+    assert alone["share_live"] > 0.8 and alone["share_sim"] < 0.2
+    assert alone["repriced_ms"] == pytest.approx(alone["live_ms"])
+    assert rows4[("3-4", False)]["live_n"] == 0 and rows4[("3-4", False)]["sim_n"] > 0
+    assert "priced err" in step_shapes.markdown({("in-process", *key4): list(rows4.values())})
+    # a live step's shape: draft forwards per position from each draft request's k
+    st = NS(batch_size=3, prefill_tokens=5, verify_tokens=12, context_tokens=100, draft_s=0.002, prefill_s=0.001,
+            verify_s=0.003, other_s=0.0005,
+            requests=[NS(drafter="draft", k=3), NS(drafter="draft", k=1), NS(drafter="ngram", k=4),
+                      NS(drafter="none", k=0)])
+    assert step_shapes.from_step(st, 7.0) == [7.0, 3, 5, 12, 100, 1, 0.002, 0.004, 0.0005, 2, 1, 1]
