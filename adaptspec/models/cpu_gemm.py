@@ -23,8 +23,10 @@ Where it is used (``default_matmul``): bfloat16 and float32 models on the CPU (`
 bf16 computed in fp32 around the products (pairs or widened, below; see ``LlamaModel``).
 fp32: 1 to ``MAX_ROWS_F32`` rows (decoding, verifying k + 1 candidates, a batch) on the
 kernel, where a BLAS GEMM packs panels and streams the weights slower from 2 rows on;
-prefills (more rows) on the BLAS, so packed fp32 weights also keep a copy as torch has it
-(twice the fp32 weight memory). One row is the kernel's too by default: it makes a row's
+single products of more rows (the Python layer loop's, when a draft head wants the target's
+features) on the BLAS, so packed fp32 weights also keep a copy as torch has it (twice the
+fp32 weight memory). A whole step in the C layer loop (``CLayers``) stays on the kernel at
+any row count: faster there than the Python loop with the BLAS's products. One row is the kernel's too by default: it makes a row's
 result independent of the other rows, so a token decoded alone and the same token
 verified among k + 1 candidates get bitwise the same logits; on some CPUs the BLAS's
 matrix-vector path is the faster one, and ``ADAPTSPEC_CPU_ONE_ROW=blas`` sends one-row
@@ -340,11 +342,15 @@ class CLayers:
         _, self.hkv, self.block_size, self.head_dim = k_cache[0].shape
 
     def takes(self, n: int) -> bool:
-        """Whether every product of an ``n``-row step runs on the kernel (fp32 products of
-        more than MAX_ROWS_F32 rows, or one row with ONE_ROW_BLAS, go to the BLAS)."""
+        """Whether an ``n``-row step runs here: any number of rows, but fp32's one row with
+        ONE_ROW_BLAS (the Python loop sends it to the BLAS). Past MAX_ROWS_F32 rows the BLAS
+        is the faster product one at a time, but the whole step is faster here, by a third or
+        more just past the threshold (one C call for the layers against a Python loop of
+        products, norms and attention; ``docs/benchmarks.md``), and a row's result stays
+        independent of the others at every row count."""
         if self.kcache is None or n < 1:
             return False
-        return self.layout != 0 or (n <= MAX_ROWS_F32 and not (n == 1 and ONE_ROW_BLAS))
+        return self.layout != 0 or not (n == 1 and ONE_ROW_BLAS)
 
     def run(self, h: torch.Tensor, eps: float, row_start: torch.Tensor, block_tables: torch.Tensor,
             cache_lens: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, num_heads: int,

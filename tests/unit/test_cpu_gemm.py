@@ -307,8 +307,8 @@ def test_into_huge_pages_moves_the_weights_without_changing_a_product(monkeypatc
 def test_layers_in_one_c_call_equal_the_python_loop_bitwise(tmp_path, monkeypatch, model_type, dtype, pairs):
     """``CLayers`` (a step's decoder layers in one C call) makes the calls ``_forward_fused``'s
     Python loop makes: bitwise the same logits, hidden states and KV cache, for a prefill, a
-    ragged step over non-contiguous slots and one row; fp32 steps whose products go to the
-    BLAS (more than MAX_ROWS_F32 rows, or one row with ONE_ROW_BLAS) stay on the Python loop."""
+    ragged step over non-contiguous slots, one row and more rows than MAX_ROWS_F32 (a whole
+    step stays in C there; fp32's one row with ONE_ROW_BLAS stays on the Python loop)."""
     from tests.conftest import make_tiny_model
     from tests.conftest import SlotAdapter
     from tests.unit.test_llama_forward import _ours
@@ -336,8 +336,14 @@ def test_layers_in_one_c_call_equal_the_python_loop_bitwise(tmp_path, monkeypatc
         assert torch.equal(a, b) and torch.equal(ha, hb)
     assert all(torch.equal(k1, k2) for k1, k2 in zip(c.k_cache + c.v_cache, py.k_cache + py.v_cache))
     assert calls == [60, 9, 1]  # every step above ran in C
-    c.forward(ids[:, 30:55], [3, 0, 1], [30, 30, 30], [25, 25, 25])  # 75 rows
-    assert calls[-1] == 1 if dtype == torch.float32 else calls[-1] == 75
+    # 75 rows, past MAX_ROWS_F32 too (fp32's single products there would be the BLAS's),
+    # bitwise the Python loop on the kernel's products
+    x = ids[:, 30:55]
+    monkeypatch.setattr(cpu_gemm, "MAX_ROWS_F32", 10**6, raising=True)
+    b, hb = py.forward(x, [3, 0, 1], [30, 30, 30], [25, 25, 25])
+    monkeypatch.setattr(cpu_gemm, "MAX_ROWS_F32", 64, raising=True)
+    a, ha = c.forward(x, [3, 0, 1], [30, 30, 30], [25, 25, 25])
+    assert calls[-1] == 75 and torch.equal(a, b) and torch.equal(ha, hb)
     monkeypatch.setattr(cpu_gemm, "ONE_ROW_BLAS", True)
     assert c.c_layers.takes(1) == (dtype != torch.float32) and c.c_layers.takes(2)
 
