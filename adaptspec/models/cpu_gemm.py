@@ -26,10 +26,10 @@ kernel, where a BLAS GEMM packs panels and streams the weights slower from 2 row
 single products of more rows (the Python layer loop's, when a draft head wants the target's
 features) on the BLAS, so packed fp32 weights also keep a copy as torch has it (twice the
 fp32 weight memory). A whole step in the C layer loop (``CLayers``) stays on the kernel at
-any row count: faster there than the Python loop with the BLAS's products. One row is the kernel's too by default: it makes a row's
-result independent of the other rows, so a token decoded alone and the same token
-verified among k + 1 candidates get bitwise the same logits; on some CPUs the BLAS's
-matrix-vector path is the faster one, and ``ADAPTSPEC_CPU_ONE_ROW=blas`` sends one-row
+any row count: faster there than the Python loop with the BLAS's products. One row is the
+kernel's too by default: it makes a row's result independent of the other rows, so a token
+decoded alone and the same token verified among k + 1 candidates get bitwise the same
+logits; on some CPUs the BLAS's matrix-vector path is the faster one, and ``ADAPTSPEC_CPU_ONE_ROW=blas`` sends one-row
 products there. ``ADAPTSPEC_CPU_KERNEL=bf16`` keeps fp32 matmuls on torch,
 ``ADAPTSPEC_CPU_KERNEL=0`` turns the C kernels off.
 

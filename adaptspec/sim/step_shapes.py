@@ -118,7 +118,7 @@ def markdown(tables: dict) -> str:
              "on the simulation's profile (its error is the profile's, on the live shapes); *sim*: the "
              "simulated steps of that shape. The shares say how the mix of shapes differs.", ""]
     head = ("| decoding | prompt | share live/sim | live ms (draft/fwd/other) | priced ms (draft/fwd/other) "
-            "| priced err | sim ms | sim/live mix |")
+            "| priced err | sim ms | steps sim/live |")
     for (path, policy, level), rows in tables.items():
         lines += [f"## {path}, {policy}, {level}", "", head, "|" + "---|" * 8]
         for r in rows:
