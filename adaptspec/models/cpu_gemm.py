@@ -29,8 +29,8 @@ fp32 weight memory). A whole step in the C layer loop (``CLayers``) stays on the
 any row count: faster there than the Python loop with the BLAS's products. One row is the
 kernel's too by default: it makes a row's result independent of the other rows, so a token
 decoded alone and the same token verified among k + 1 candidates get bitwise the same
-logits; on some CPUs the BLAS's matrix-vector path is the faster one, and ``ADAPTSPEC_CPU_ONE_ROW=blas`` sends one-row
-products there. ``ADAPTSPEC_CPU_KERNEL=bf16`` keeps fp32 matmuls on torch,
+logits; on some CPUs the BLAS's matrix-vector path is the faster one, and
+``ADAPTSPEC_CPU_ONE_ROW=blas`` sends one-row products there. ``ADAPTSPEC_CPU_KERNEL=bf16`` keeps fp32 matmuls on torch,
 ``ADAPTSPEC_CPU_KERNEL=0`` turns the C kernels off.
 
 bf16 on CPUs with AVX512_BF16 (``bf16_pairs()``; ``ADAPTSPEC_CPU_BF16_DOT=0`` turns it off):
