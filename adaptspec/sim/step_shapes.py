@@ -57,51 +57,43 @@ def reprice(shape, cost) -> tuple[float, float, float]:
     return t.draft_s, t.verify_s, t.other_s
 
 
-def bucket_of(decoding: int) -> str:
-    for lo, hi in BUCKETS:
-        if lo <= decoding <= hi:
-            return str(lo) if lo == hi else (f"{lo}-{hi}" if hi < 10**9 else f"{lo}+")
-    return "?"
+_LABELS = [str(lo) if lo == hi else (f"{lo}-{hi}" if hi < 10**9 else f"{lo}+") for lo, hi in BUCKETS]
+
+
+def bucket_of(decoding: int) -> int:
+    """The index in ``BUCKETS`` of a step with ``decoding`` requests decoding."""
+    return next(i for i, (lo, hi) in enumerate(BUCKETS) if lo <= decoding <= hi)
 
 
 def table(live: list, sim: list, cost_of=None) -> list[dict]:
     """Rows by (decoding requests bucket, prompt in the step or not) plus an "all" row:
-    {bucket, prompt, live_n, live_ms, live_draft_ms, live_forward_ms, live_other_ms,
+    {decoding, prompt, live_n, live_ms, live_draft_ms, live_forward_ms, live_other_ms,
     repriced_ms (+ its phases), sim_n, sim_ms (+ phases), share_live, share_sim}.
     ``live``/``sim``: lists of runs' shapes [[shape]]; ``cost_of(i)``: the cost model live run
     i's steps are priced on (None: not re-priced)."""
-    def rows_of(runs, price):
-        out = []
+    sides = ("live", "repriced", "sim")
+    groups: dict = {}  # (bucket, prompt) -> {side: [(draft, forward, other) seconds]}
+    for side, runs in (("live", live), ("sim", sim)):
         for i, shapes in enumerate(runs):
-            cost = cost_of(i) if price and cost_of is not None else None
+            cost = cost_of(i) if side == "live" and cost_of is not None else None
             for s in shapes:
-                key = (bucket_of(int(s[1])), bool(s[2] > 0))
-                phases = (s[6], s[7], s[8])
-                rep = reprice(s, cost) if cost is not None else (math.nan,) * 3
-                out.append((key, phases, rep))
-        return out
-
-    got_live, got_sim = rows_of(live, True), rows_of(sim, False)
-    n_live, n_sim = max(len(got_live), 1), max(len(got_sim), 1)
-    keys = sorted({k for k, _, _ in got_live + got_sim}, key=lambda k: (_order(k[0]), k[1]))
+                g = groups.setdefault((bucket_of(int(s[1])), bool(s[2] > 0)), {x: [] for x in sides})
+                g[side].append(s[6:9])
+                if side == "live":
+                    g["repriced"].append(reprice(s, cost) if cost is not None else (math.nan,) * 3)
+    total = {x: [v for g in groups.values() for v in g[x]] for x in sides}
+    n_live, n_sim = max(len(total["live"]), 1), max(len(total["sim"]), 1)
     result = []
-    for key in [*keys, ("all", None)]:
-        pick = (lambda k: True) if key[0] == "all" else (lambda k, key=key: k == key)  # noqa: E731
-        lv = [(p, r) for k, p, r in got_live if pick(k)]
-        sv = [p for k, p, _ in got_sim if pick(k)]
-        row = {"decoding": key[0], "prompt": key[1], "live_n": len(lv), "sim_n": len(sv),
-               "share_live": len(lv) / n_live, "share_sim": len(sv) / n_sim}
-        for side, vals in (("live", [p for p, _ in lv]), ("repriced", [r for _, r in lv]), ("sim", sv)):
-            a = np.asarray(vals, dtype=float).reshape(-1, 3)
+    for (b, prompt), g in [*sorted(groups.items()), ((None, None), total)]:
+        row = {"decoding": "all" if b is None else _LABELS[b], "prompt": prompt, "live_n": len(g["live"]),
+               "sim_n": len(g["sim"]), "share_live": len(g["live"]) / n_live, "share_sim": len(g["sim"]) / n_sim}
+        for side in sides:
+            a = np.asarray(g[side], dtype=float).reshape(-1, 3)
             m = a.mean(axis=0) * 1e3 if a.size else np.full(3, math.nan)
             row[f"{side}_ms"] = float(m.sum())
             row[f"{side}_draft_ms"], row[f"{side}_forward_ms"], row[f"{side}_other_ms"] = (float(x) for x in m)
         result.append(row)
     return result
-
-
-def _order(label: str) -> int:
-    return int(label.split("-")[0].rstrip("+")) if label[0].isdigit() else 10**9
 
 
 def markdown(tables: dict) -> str:
