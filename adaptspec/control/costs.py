@@ -7,16 +7,21 @@ Step = draft + verify + overhead, where
 - draft_s = sum over drafted positions j of [table_d(n_j) + draft_context_s_per_token * n_j *
   mean context] for the draft model (n_j requests still drafting at j), plus
   ngram_s_per_request per n-gram request;
-- other_s = step_overhead_s (scheduling, sampling, host work).
+- other_s = step_overhead_s + step_overhead_s_per_request * requests decoding (scheduling,
+  sampling, acceptance and bookkeeping per request, host work).
 
 Prompt tokens in a step: priced on the verify table by default. A profile with a prompt table
 (``prefill_tokens`` / ``prefill_s``: a pass that prefills one request's prompt and decodes
-nothing) prices them apart: the step's decode and verification tokens on the verify table,
-plus what the prompt pass costs beyond an empty step (``prefill_s(p) - verify_s(1)``). Why: a
-verified token needs an output-layer row and the verifier's work over the whole vocabulary, a
+nothing, P) prices them apart: the step's d decode and verification tokens on the verify table,
+plus what p prompt rows add to a pass that already has those d rows, ``P(d + p) - P(d)`` (P
+from an empty pass at 0 tokens; with no decode rows, ``P(p)`` less the empty pass). Why apart:
+a verified token needs an output-layer row and the verifier's work over the whole vocabulary, a
 prompt token does not (one row per finished prompt), and a one-request pass reads one KV
 context where a verification step of as many tokens reads one per request; on a small model
-the verify table prices a short prompt a third or more too high, and with it every TTFT.
+the verify table prices a short prompt a third or more too high, and with it every TTFT. Why
+on top of the d rows: a pass's first rows ride on reading the weights (nearly free on a GPU
+or a CPU alike) and later rows are compute; prompt rows that join decode rows do not get
+those first rows again, and a table taken from an empty pass would price them too low.
 """
 from __future__ import annotations
 
@@ -58,7 +63,7 @@ class SpeedProbeRef(BaseModel):
 
 # the profile's seconds (and seconds per token/request): what a slower or faster machine scales
 TIME_FIELDS = ("verify_s", "verify_context_s_per_token", "draft_s", "draft_context_s_per_token",
-               "ngram_s_per_request", "step_overhead_s", "prefill_s")
+               "ngram_s_per_request", "step_overhead_s", "step_overhead_s_per_request", "prefill_s")
 
 
 class ProfileFile(BaseModel):
@@ -80,6 +85,8 @@ class ProfileFile(BaseModel):
     prefill_s: list[float] = Field(default_factory=list, description="seconds of that pass at each prompt length "
                                    "(overhead excluded, as verify_s)")
     step_overhead_s: float = Field(0.0, ge=0, description="fixed seconds per step (host work)")
+    step_overhead_s_per_request: float = Field(0.0, ge=0, description="host seconds per request decoding in the "
+                                               "step, beyond step_overhead_s (sampling, acceptance, bookkeeping)")
     kv_capacity_tokens: int = Field(1_000_000, gt=0, description="KV cache capacity in tokens")
     max_num_seqs: int = Field(256, gt=0, description="most running requests")
     max_batched_tokens: int = Field(8192, gt=0, description="token budget of one step (chunked prefill)")
@@ -182,22 +189,29 @@ class ProfileCostModel:
         t = np.interp(batch, self._dx, self._dy) + self.profile.draft_context_s_per_token * batch * mean_context
         return np.where(batch > 0, t, 0.0)
 
-    def prompt_s(self, prompt_tokens: int) -> float:
-        """Seconds ``prompt_tokens`` prompt tokens add to a step, with a prompt table (0 for none)."""
+    def prompt_s(self, prompt_tokens: int, decode_tokens: int = 0) -> float:
+        """Seconds ``prompt_tokens`` prompt tokens add to a step that has ``decode_tokens``
+        decode and verification rows, with a prompt table (0 for none): ``P(d + p) - P(d)``."""
         if self._px is None or prompt_tokens <= 0:
             return 0.0
-        return max(float(np.interp(prompt_tokens, self._px, self._py)) - self._v1, 0.0)
+        d = max(int(decode_tokens), 0)
+        base = float(np.interp(d, self._px, self._py)) if d else self._v1
+        return max(float(np.interp(d + prompt_tokens, self._px, self._py)) - base, 0.0)
 
     def step(self, verify_tokens: int, context_tokens: float, draft_batch: np.ndarray, ngram_requests: int,
-             mean_context: float, prompt_tokens: int = 0) -> StepTime:
+             mean_context: float, prompt_tokens: int = 0, requests: int = 0) -> StepTime:
         """draft_batch: [K] requests drafting with the draft model at each position.
         ``prompt_tokens``: how many of ``verify_tokens`` are prompt chunks (priced apart with
-        a prompt table; on the verify table with the rest without one)."""
-        d = float(self.draft_forward_s(draft_batch, mean_context).sum()) + self.profile.ngram_s_per_request * ngram_requests
+        a prompt table; on the verify table with the rest without one). ``requests``: requests
+        decoding in the step (their host time)."""
+        p = self.profile
+        d = float(self.draft_forward_s(draft_batch, mean_context).sum()) + p.ngram_s_per_request * ngram_requests
+        other = p.step_overhead_s + p.step_overhead_s_per_request * max(int(requests), 0)
         if self._px is None or prompt_tokens <= 0:
-            return StepTime(d, float(self.verify_s(verify_tokens, context_tokens)), self.profile.step_overhead_s)
-        v = float(self.verify_s(max(verify_tokens - prompt_tokens, 1), context_tokens)) + self.prompt_s(prompt_tokens)
-        return StepTime(d, v, self.profile.step_overhead_s)
+            return StepTime(d, float(self.verify_s(verify_tokens, context_tokens)), other)
+        decode = max(verify_tokens - prompt_tokens, 0)
+        v = float(self.verify_s(max(decode, 1), context_tokens)) + self.prompt_s(prompt_tokens, decode)
+        return StepTime(d, v, other)
 
     @property
     def step_overhead_s(self) -> float:

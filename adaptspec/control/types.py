@@ -73,7 +73,7 @@ class Load:
     batch_size: int = 1  # running requests
     queued: int = 0  # requests waiting for admission
     verify_tokens: int = 0  # tokens in the last batched target pass (0 = unknown)
-    context_tokens: int = 0  # KV tokens read by the last step's decoding requests (0 = unknown)
+    context_tokens: int = 0  # KV tokens the last step's requests read (0 = unknown)
 
 
 @dataclass(slots=True)
@@ -166,7 +166,7 @@ class StepOutcome:
     batch_size: int
     num_prefill: int  # prompt tokens processed in this step
     verify_tokens: int  # all tokens in the one batched target pass (prefill + sum(k + 1))
-    context_tokens: int  # KV tokens read by decoding requests
+    context_tokens: int  # KV tokens the step's requests read (prompt chunks' cached ones too, as the engine counts)
     draft_s: float
     verify_s: float
     other_s: float

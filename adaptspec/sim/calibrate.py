@@ -4,7 +4,11 @@ The engine (torch) is imported inside ``calibrate`` only; the fit is a pure func
 the measured steps (``fit_profile``), tested without torch. Procedure: for each batch size
 and each arm (no drafting, n-gram k, draft k), start that many requests with random
 prompts, let the prefill pass go by, then time ``steps`` decode steps with the engine's own
-per-step timers (verify_s, draft_s, other_s) and record tokens and context. With
+per-step timers (verify_s, draft_s, other_s) and record tokens and context. With several
+``prompt_tokens``, the points take them in turn (and the next pass the next one), so each
+token count is measured at more than one context per request and the context's price can be
+told from the tokens' (with one prompt length the context grows with the batch, as the
+tokens do). With
 ``prefill``, also one-request prompt passes at several prompt lengths (drafter ``prompt``):
 the profile's prompt table (``control.costs``), since a prompt token costs less than a
 verified one.
@@ -33,15 +37,20 @@ class StepSample:
 
 def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_capacity_tokens: int,
                 max_batched_tokens: int, context_term: bool = True) -> ProfileFile:
-    """Least squares: verify_s = table(verify_tokens) + c * context; draft_s / k per forward
-    at each batch size; n-gram seconds per request; overhead = median other_s of the decode
-    steps (a prefill sample's host time beyond it counts as its tokens' verify time).
+    """verify_s = table(verify_tokens) + c * context; draft_s / k per forward at each batch
+    size; n-gram seconds per request; host time other_s = o0 + o1 * batch size, a line through
+    the decode steps' median at each batch size (o1 = 0 when it would fall; a prefill sample's
+    host time beyond it counts as its tokens' verify time).
 
-    ``context_term=False`` fits the table alone (the median verify time at each token count,
-    at the context the measured batches had). On the CPU a step's context grows with its
-    batch and so do its tokens, and the joint fit can hand a batch's per-request cost to the
-    context and leave the table flat (SmolLM2 fp32: 1 to 18 tokens at one price), which
-    tells a policy choosing k that candidates are free; the table alone keeps their price.
+    c comes from within each measured point (batch size, drafter, k, verify tokens): least
+    squares with one level per point, so only a point measured at different contexts (``calibrate`` with
+    several ``prompt_tokens``) prices the context, and a batch's per-request cost, which grows
+    with its context too, stays in the table. The table is then the median at each token count
+    of the time less c * context. No point that spans contexts (its largest at least
+    ``CONTEXT_SPAN`` times its smallest), a negative c, or ``context_term=False``: c = 0 and the
+    table alone, at the contexts the measured batches had (a joint fit over all points could
+    hand a batch's per-request cost to the context and leave the table flat, SmolLM2 fp32: 1 to
+    18 tokens at one price, which tells a policy choosing k that candidates are free).
 
     Samples of one-request prompt passes (drafter ``prompt``) make the prompt table (median
     seconds at each length, beyond the overhead, non-decreasing); the verify table then leaves
@@ -56,23 +65,17 @@ def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_c
     full, samples = samples, rest
     tokens = np.array([s.verify_tokens for s in samples])
     levels = np.unique(tokens)
-    X = np.zeros((len(samples), levels.size + 1))
-    X[np.arange(len(samples)), np.searchsorted(levels, tokens)] = 1.0
-    X[:, -1] = [s.context_tokens for s in samples]
+    context = np.array([s.context_tokens for s in samples], dtype=float)
     # the fixed host seconds of a step: the decode steps' (a prefill step commits a whole prompt
     # chunk, and the larger batches give many chunks: in the median they would set every step's
     # overhead to a prefill step's)
     decode = [s for s in samples if s.drafter != "prefill"] or samples
-    overhead = float(np.median([s.other_s for s in decode]))
+    overhead, per_request = _host_line(decode)
     # ... and what a prefill step spends beyond that goes with its tokens, into the table
-    y = np.array([s.verify_s + (max(s.other_s - overhead, 0.0) + s.draft_s if s.drafter == "prefill" else 0.0)
-                  for s in samples])
-    coef, _, rank, _ = np.linalg.lstsq(X, y, rcond=None)
-    ctx = float(coef[-1])
-    # context and tokens moved together (rank-deficient: any split fits), or noise: the tokens alone
-    if not context_term or rank < X.shape[1] or not ctx >= 0.0:
-        coef = np.array([np.median(y[tokens == v]) for v in levels] + [0.0])
-        ctx = 0.0
+    y = np.array([s.verify_s + (max(s.other_s - overhead - per_request * s.batch_size, 0.0) + s.draft_s
+                                if s.drafter == "prefill" else 0.0) for s in samples])
+    ctx = _context_price(samples, context, y) if context_term else 0.0
+    coef = np.array([np.median((y - ctx * context)[tokens == v]) for v in levels] + [ctx])
     weights = np.array([np.count_nonzero(tokens == v) for v in levels], dtype=float)
     verify = np.maximum(_isotonic(coef[:-1], weights), 1e-6)  # more tokens never cost less
     draft = [s for s in samples if s.drafter == "draft" and s.k > 0]
@@ -80,6 +83,7 @@ def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_c
     draft_s = [float(np.median([s.draft_s / s.k for s in draft if s.batch_size == b])) for b in batches]
     ngram = [s.draft_s / s.batch_size for s in samples if s.drafter == "ngram" and s.k > 0]
     lengths = sorted({s.verify_tokens for s in prompt})
+    # a prompt pass decodes nothing: its host time beyond o0 is its prompt's
     py = [float(np.median([s.verify_s + s.draft_s + max(s.other_s - overhead, 0.0) for s in prompt
                            if s.verify_tokens == n])) for n in lengths]
     if py:
@@ -91,14 +95,55 @@ def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_c
         draft_batch=[float(b) for b in batches] or [1.0],
         draft_s=list(np.maximum.accumulate(draft_s)) if draft_s else [0.0],
         ngram_s_per_request=float(np.median(ngram)) if ngram else 0.0,
-        step_overhead_s=overhead, prefill_tokens=[float(n) for n in lengths], prefill_s=[float(x) for x in py],
+        step_overhead_s=overhead, step_overhead_s_per_request=per_request,
+        prefill_tokens=[float(n) for n in lengths], prefill_s=[float(x) for x in py],
         kv_capacity_tokens=kv_capacity_tokens, max_num_seqs=max_num_seqs, max_batched_tokens=max_batched_tokens,
         calibrated=True, notes=[f"measured by adaptspec calibrate from {len(full)} steps"])
 
 
+def _host_line(decode: list[StepSample]) -> tuple[float, float]:
+    """(o0, o1): host seconds of a decode step = o0 + o1 * batch size, least squares through
+    the median at each batch size weighted by its steps; one batch size or a falling line: the
+    median of all, o1 = 0."""
+    sizes = sorted({s.batch_size for s in decode})
+    med = np.array([np.median([s.other_s for s in decode if s.batch_size == b]) for b in sizes])
+    w = np.sqrt([sum(s.batch_size == b for s in decode) for b in sizes])
+    if len(sizes) >= 2:
+        A = np.stack([np.ones(len(sizes)), np.array(sizes, dtype=float)], axis=1)
+        (o0, o1), *_ = np.linalg.lstsq(A * w[:, None], med * w, rcond=None)
+        if o1 > 0 and o0 >= 0:
+            return float(o0), float(o1)
+    return float(np.median([s.other_s for s in decode])), 0.0
+
+
+CONTEXT_SPAN = 1.5  # a point prices the context if its largest context is this many times its smallest
+
+
+def _context_price(samples: list[StepSample], context: np.ndarray, y: np.ndarray) -> float:
+    """Seconds per context token from within the measured points (``fit_profile``): steps of
+    one batch size, drafter, k and verify token count; admission steps (their prompt chunks
+    vary) left out. 0 when no point spans contexts or the fit is negative."""
+    keep = np.array([s.drafter != "prefill" for s in samples])
+    samples, context, y = [s for s, m in zip(samples, keep) if m], context[keep], y[keep]
+    keys = [(s.batch_size, s.drafter, s.k, s.verify_tokens) for s in samples]
+    points = sorted(set(keys))
+    if not points:
+        return 0.0
+    idx = np.array([points.index(k) for k in keys])
+    spans = [context[idx == i].min() > 0 and context[idx == i].max() >= CONTEXT_SPAN * context[idx == i].min()
+             for i in range(len(points))]
+    if not any(spans):
+        return 0.0
+    X = np.zeros((len(samples), len(points) + 1))
+    X[np.arange(len(samples)), idx] = 1.0
+    X[:, -1] = context
+    coef, *_ = np.linalg.lstsq(X, y, rcond=None)
+    return float(coef[-1]) if coef[-1] > 0 else 0.0
+
+
 def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: str, repeats: int,
               batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), ks: tuple[int, ...] = (1, 2, 4, 8),
-              prompt_tokens: int = 128, context_term: bool = True, prefill: bool = False,
+              prompt_tokens: int | tuple[int, ...] = 128, context_term: bool = True, prefill: bool = False,
               engine_options: dict | None = None, probe: bool = True, passes: int = 2,
               prompt_lengths: tuple[int, ...] = (8, 16, 32, 64, 128)) -> Path:
     """``prefill``: also keep each point's admission step (its prompts' prefill and whatever
@@ -114,9 +159,13 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
     batch order would measure the small batches in one speed state and the large ones in
     another, which bends the token table (the shape the policy prices k by).
     ``prompt_lengths`` (with ``prefill``): each pass also times ``repeats`` one-request prompt
-    passes of each length (fresh random tokens: no prefix-cache hit), the prompt table."""
+    passes of each length (fresh random tokens: no prefix-cache hit), the prompt table.
+    ``prompt_tokens``: the decode points' prompt length, or lengths taken in turn (above)."""
     if passes < 1:  # before the models load: a bad value fails at once
         raise ValueError(f"calibrate: passes must be >= 1, got {passes}")
+    contexts = (int(prompt_tokens),) if isinstance(prompt_tokens, int) else tuple(int(n) for n in prompt_tokens)
+    if not contexts or any(n < 1 for n in contexts):
+        raise ValueError(f"calibrate: prompt_tokens must be >= 1, got {prompt_tokens}")
     if prefill and any(int(n) < 1 for n in prompt_lengths):
         raise ValueError(f"calibrate: prompt_lengths must be >= 1, got {tuple(prompt_lengths)}")
     try:
@@ -143,20 +192,23 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
     points = [(b, d, k) for b in batch_sizes for d, k in arms]
     if prefill:  # one-request prompt passes, each length one point (a length over the step's token budget is left out)
         points += [(1, "prompt", int(n)) for n in sorted(set(prompt_lengths)) if int(n) <= budget]
-    grid = [pt for i in range(passes) for pt in (points if i % 2 == 0 else points[::-1])]
-    for b, drafter, k in tqdm(grid, desc="calibrate", unit="point"):
+    # point j of pass i prompts with contexts[(i + j) % n]: within a pass the lengths alternate
+    # (drift hits both alike), and over n passes every point meets every length
+    order = lambda i: enumerate(points) if i % 2 == 0 else reversed(list(enumerate(points)))  # noqa: E731
+    grid = [(*pt, contexts[(i + j) % len(contexts)]) for i in range(passes) for j, pt in order(i)]
+    for b, drafter, k, plen in tqdm(grid, desc="calibrate", unit="point"):
         if drafter == "prompt":
             samples += _prompt_passes(engine, k, steps, rng, vocab)
             continue
         ids = []
         # the step's token budget chunks the prompts over this many steps, and the requests
         # prefilled first decode meanwhile: each must still run through the timed steps
-        prefill_steps = -(-b * prompt_tokens // budget) + 1
+        prefill_steps = -(-b * plen // budget) + 1
         for _ in range(b):
             # a repeated random phrase, so n-gram lookup finds candidates as in real text
             # away from the vocabulary's ends (special tokens), unless it is a tiny test vocabulary
             phrase = (rng.integers(100, vocab - 100, 16) if vocab > 400 else rng.integers(0, vocab, 16)).tolist()
-            prompt = (phrase * (prompt_tokens // 16 + 1))[:prompt_tokens]
+            prompt = (phrase * (plen // 16 + 1))[:plen]
             ids.append(engine.add_request(prompt, SamplingParams(max_new_tokens=(k + 1) * (steps + 2 + prefill_steps) + 2,
                                                                  ignore_eos=True),
                                           SpecConfig(drafter, k), raw=True))
@@ -184,7 +236,8 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
                     f"{x.draft_s:.6f},{x.other_s:.6f}\n")
     kv = max_seqs * engine.config.max_model_len
     prof = fit_profile(samples, name=f"{target} + {draft or 'no draft'} on {device} ({dtype}), calibrated",
-                       max_num_seqs=max_seqs, kv_capacity_tokens=kv, max_batched_tokens=max(prompt_tokens * max_seqs, 512),
+                       max_num_seqs=max_seqs, kv_capacity_tokens=kv,
+                       max_batched_tokens=max(max(contexts) * max_seqs, 512),
                        context_term=context_term)
     if probe:
         probes.append(speed_probe(engine))

@@ -88,8 +88,12 @@ def register(app: typer.Typer) -> None:
                                            "(the machine's speed drifts during a calibration: pooled passes "
                                            "spread the drift over every point instead of bending the table)"),
         context_term: bool = typer.Option(True, "--context-term/--no-context-term",
-                                          help="fit verify time per KV token read as well (off: a table "
-                                               "over verify tokens alone, see fit_profile)"),
+                                          help="fit verify time per KV token read as well, from points measured at "
+                                               "several contexts (off: a table over verify tokens alone, see "
+                                               "fit_profile)"),
+        prompt_tokens: str = typer.Option("32,160", help="prompt lengths of the decode points' requests, "
+                                                         "comma-separated, taken in turn (two or more: each point "
+                                                         "meets several contexts, which prices the context)"),
         prompt_lengths: str = typer.Option("8,16,32,64,128", help="prompt lengths of one-request prompt passes, "
                                            "comma-separated: the profile's prompt table (prompt tokens priced apart "
                                            "from verified ones, see control.costs); empty: none"),
@@ -109,9 +113,13 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"wrote {path}")
             return
         try:
+            try:
+                contexts = tuple(int(x) for x in prompt_tokens.split(",") if x.strip())
+            except ValueError:
+                raise ValueError(f"--prompt-tokens: integers, comma-separated, got {prompt_tokens!r}") from None
             path = run(out, target=target, draft=draft, dtype=dtype, device=device, repeats=repeats,
                        batch_sizes=tuple(int(x) for x in batch.split(",")), ks=tuple(int(x) for x in ks.split(",")),
-                       context_term=context_term, passes=passes,
+                       context_term=context_term, passes=passes, prompt_tokens=contexts,
                        prefill=bool(prompt_lengths.strip()),
                        prompt_lengths=tuple(int(x) for x in prompt_lengths.split(",") if x.strip()))
         except (RuntimeError, ValueError) as e:

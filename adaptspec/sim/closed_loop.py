@@ -38,11 +38,13 @@ class PromptSet:
     """Per class, its prompts' (prompt tokens, output tokens), in send order. ``prompt_ids``:
     which prompt each entry is (an index into the class's own prompts; a pool that holds a
     prompt more than once, as ``fidelity_run.cache_replay``'s does, repeats it); None: entry i
-    is prompt i."""
+    is prompt i. ``cached_tokens``: the prompt tokens a prefix cache served each entry (not in
+    its ``prompt_tokens``: they are read as context, not prefilled); None: none."""
 
     prompt_tokens: list[np.ndarray]  # [C] arrays of [P_c] ints
     output_tokens: list[np.ndarray]
     prompt_ids: list[np.ndarray] | None = None  # [C] arrays of [P_c] ints
+    cached_tokens: list[np.ndarray] | None = None  # [C] arrays of [P_c] ints
 
 
 def read_prompt_set(spec: PromptSetSpec, base: Path, classes: list[ClassSpec]) -> PromptSet:
@@ -52,7 +54,7 @@ def read_prompt_set(spec: PromptSetSpec, base: Path, classes: list[ClassSpec]) -
     if not path.exists():
         raise ValueError(f"workload.prompt_set.path: {path} does not exist")
     names = {c.name: i for i, c in enumerate(classes)}
-    rows: list[list[tuple[int, int]]] = [[] for _ in classes]
+    rows: list[list[tuple[int, int, int]]] = [[] for _ in classes]
     with path.open(newline="") as f:
         reader = csv.DictReader(f)
         need = {"request_class", "num_prefill_tokens", "num_decode_tokens"}
@@ -71,13 +73,15 @@ def read_prompt_set(spec: PromptSetSpec, base: Path, classes: list[ClassSpec]) -
             if p < 1 or o < 1 or not 0 <= cached:
                 raise ValueError(f"workload.prompt_set.path: {path} line {line}: token counts must be >= 1 "
                                  f"(cached >= 0)")
-            # the simulator has no prefix cache: what one served is not prefilled (one token always is)
-            rows[i].append((max(p - cached, 1), o))
+            # the simulator has no prefix cache: what one served is not prefilled (one token always
+            # is), but the request's passes still read it as context
+            k = min(cached, p - 1)
+            rows[i].append((p - k, o, k))
     missing = [c.name for c, r in zip(classes, rows) if c.weight > 0 and not r]
     if missing:
         raise ValueError(f"workload.prompt_set.path: {path} has no prompts of classes {missing}")
-    return PromptSet([np.array([r[0] for r in rs], dtype=np.int64) for rs in rows],
-                     [np.array([r[1] for r in rs], dtype=np.int64) for rs in rows])
+    return PromptSet(*([np.array([r[j] for r in rs], dtype=np.int64) for rs in rows] for j in range(2)),
+                     cached_tokens=[np.array([r[2] for r in rs], dtype=np.int64) for rs in rows])
 
 
 class RequestSource:
@@ -93,9 +97,10 @@ class RequestSource:
         self.active = np.flatnonzero(w > 0)
         self.count = 0
 
-    def take(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(class_idx, prompt_tokens, output_tokens, prompt_idx), each [n]; prompt_idx: which
-        prompt of its class's prompt set (``PromptSet.prompt_ids``; -1 without a set)."""
+    def take(self, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(class_idx, prompt_tokens, output_tokens, prompt_idx, cached_tokens), each [n];
+        prompt_idx: which prompt of its class's prompt set (``PromptSet.prompt_ids``; -1
+        without a set); cached_tokens: ``PromptSet.cached_tokens`` (0 without)."""
         idx = np.arange(self.count, self.count + n)
         self.count += n
         ps = self.prompts
@@ -110,6 +115,7 @@ class RequestSource:
                 if ps is not None else np.full(n, -1, dtype=np.int64)
         p = np.zeros(n, dtype=np.int64)
         o = np.zeros(n, dtype=np.int64)
+        k = np.zeros(n, dtype=np.int64)
         ids = pick.copy()
         for c in np.unique(cls):
             m = cls == c
@@ -117,11 +123,13 @@ class RequestSource:
                 p[m], o[m] = ps.prompt_tokens[c][pick[m]], ps.output_tokens[c][pick[m]]
                 if ps.prompt_ids is not None:
                     ids[m] = ps.prompt_ids[c][pick[m]]
+                if ps.cached_tokens is not None:
+                    k[m] = ps.cached_tokens[c][pick[m]]
             else:
                 spec = self.classes[c]
                 p[m] = sample_lengths(spec.prompt_tokens, int(m.sum()), self.rng)
                 o[m] = sample_lengths(spec.output_tokens, int(m.sum()), self.rng)
-        return cls.astype(np.int64), np.maximum(p, 1), np.maximum(o, 1), ids
+        return cls.astype(np.int64), np.maximum(p, 1), np.maximum(o, 1), ids, k
 
 
 def request_source(wl: WorkloadSpec, classes: list[ClassSpec], base: Path, rng: np.random.Generator) -> RequestSource:
@@ -135,8 +143,8 @@ def open_loop_requests(wl: WorkloadSpec, classes: list[ClassSpec], duration_s: f
     The arrival times are drawn first from ``rng``, as ``synthesize`` draws them, so the same
     seed gives the same times with or without a prompt set."""
     t = arrival_times(wl, duration_s, rng)
-    cls, p, o, pick = request_source(wl, classes, base, rng).take(t.size)
-    return Requests(t, p, o, cls, pick)
+    cls, p, o, pick, cached = request_source(wl, classes, base, rng).take(t.size)
+    return Requests(t, p, o, cls, pick, cached)
 
 
 def think_times(spec: ThinkTimeSpec, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -158,6 +166,8 @@ def _grow(req: Requests, rec: Recorder, size: int) -> None:
                                                            (req.prompt_tokens, req.output_tokens, req.class_idx))
     if req.prompt_idx is not None:
         req.prompt_idx = pad(req.prompt_idx, -1)
+    if req.cached_tokens is not None:
+        req.cached_tokens = pad(req.cached_tokens, 0)
     rec.first_token_s, rec.finish_s = pad(rec.first_token_s, np.nan), pad(rec.finish_s, np.nan)
     if hasattr(rec, "refused"):
         rec.refused = pad(rec.refused, False)
@@ -189,7 +199,7 @@ def simulate_closed_loop(setup: RunSetup, policy: Policy, clients: int, think: T
     num_bins = int(np.ceil(horizon / setup.bin_s)) + 1
     cap = max(4 * clients, 64)
     req = Requests(np.full(cap, np.inf), np.ones(cap, dtype=np.int64), np.ones(cap, dtype=np.int64),
-                   np.zeros(cap, dtype=np.int64), np.full(cap, -1, dtype=np.int64))
+                   np.zeros(cap, dtype=np.int64), np.full(cap, -1, dtype=np.int64), np.zeros(cap, dtype=np.int64))
     rec = Recorder(cap, len(setup.classes), policy.table.arms, setup.bin_s, num_bins,
                    step_shapes=[] if setup.record_shapes else None)
     replicas = _replicas(setup, policy, req, rec)
@@ -211,9 +221,9 @@ def simulate_closed_loop(setup: RunSetup, policy: Policy, clients: int, think: T
                 continue  # this client is done
             if n == req.arrival_s.size:
                 _grow(req, rec, 2 * n)
-            cls, p, o, pick = source.take(1)
+            cls, p, o, pick, cached = source.take(1)
             req.arrival_s[n], req.class_idx[n], req.prompt_tokens[n], req.output_tokens[n] = ta, cls[0], p[0], o[0]
-            req.prompt_idx[n] = pick[0]
+            req.prompt_idx[n], req.cached_tokens[n] = pick[0], cached[0]
             if setup.router == "round_robin":
                 target = replicas[rr % len(replicas)]
                 rr += 1

@@ -453,8 +453,8 @@ def simulate_level(level: SimLevel, *, policy, cost, truths, classes, prompt_set
     else:
         t = np.asarray(level.arrivals_s, dtype=float)
         t = t[t < horizon]
-        cls, p, o, pick = source.take(t.size)
-        req = Requests(t, p, o, cls, pick)
+        cls, p, o, pick, cached = source.take(t.size)
+        req = Requests(t, p, o, cls, pick, cached)
         out = simulate(RunSetup(cost, truths, req, 1, "least_loaded", max_k, horizon, drain_s, bin_s, seed,
                                 host_gap=host_gap, record_shapes=True), policy)
     window = (warmup_s, horizon)

@@ -50,6 +50,10 @@ def fidelity(
     calibrate_repeats: int = typer.Option(3, help="timed steps per calibration point"),
     calibrate_batch: str = typer.Option("1,2,4,8,16", help="calibration batch sizes (up to the engine's KV slots)"),
     calibrate_ks: str = typer.Option("2,4,8", help="calibration k values"),
+    calibrate_prompt_tokens: str = typer.Option("32,160", help="calibration prompt lengths, taken in turn by its "
+                                                               "points (two or more: each point at several contexts "
+                                                               "prices the context apart from the tokens; one: "
+                                                               "the token table alone)"),
     sim_seeds: int = typer.Option(1, help="simulated runs per level and policy (pooled)"),
     grpc: bool = typer.Option(False, "--grpc", help="also run the levels through Ray Serve and gRPC (starts the "
                                                     "service of --config)"),
@@ -120,7 +124,9 @@ def fidelity(
                            warmup_s=warmup, rounds=rounds, fresh=fresh, profile=profile,
                            calibrate_repeats=calibrate_repeats,
                            calibrate_batch=_ints(calibrate_batch, "--calibrate-batch"),
-                           calibrate_ks=_ints(calibrate_ks, "--calibrate-ks"), sim_seeds=sim_seeds, grpc=grpc,
+                           calibrate_ks=_ints(calibrate_ks, "--calibrate-ks"),
+                           calibrate_prompt_tokens=_ints(calibrate_prompt_tokens, "--calibrate-prompt-tokens"),
+                           sim_seeds=sim_seeds, grpc=grpc,
                            torch_threads=torch_threads, host_gap=host_gap, snapshots=snapshots, probe=probe,
                            prompt_probe=prompt_probe, cache_replay=cache_replay, per_prompt=per_prompt,
                            probe_tolerance=probe_tolerance, path_delay=path_delay, out=out)

@@ -53,6 +53,9 @@ class FidelityOptions:
     calibrate_repeats: int = 3
     calibrate_batch: tuple[int, ...] = (1, 2, 4, 8, 16)
     calibrate_ks: tuple[int, ...] = (2, 4, 8)
+    # the calibration's prompt lengths, taken in turn by its points: two contexts per point
+    # price the context apart from the tokens (``calibrate.fit_profile``); one: the table alone
+    calibrate_prompt_tokens: tuple[int, ...] = (32, 160)
     sim_seeds: int = 1
     host_gap: bool = True  # simulate the host's time between engine steps as measured live
     snapshots: bool = True  # the simulated policy's arms from snapshots, as a live replica's
@@ -106,7 +109,7 @@ def build_prompt_set(engine, classes: list[str], live: dict, max_tokens: int):
             for r in run.rows:
                 if not (r.cut or r.error) and r.tokens > 0 and r.prompt_index >= 0:
                     ended.setdefault((r.request_class, r.prompt_index), []).append((r.tokens, r.cached_tokens))
-    ptoks, otoks, csv_rows = [], [], []
+    ptoks, otoks, ktoks, csv_rows = [], [], [], []
     for cls in classes:
         pool = prompts.get(cls) or prompts["chat"]
         p = np.array([len(engine.encode(x)) for x in pool], dtype=np.int64)
@@ -115,8 +118,9 @@ def build_prompt_set(engine, classes: list[str], live: dict, max_tokens: int):
         cached = np.minimum(np.array([int(np.median(x[:, 1])) for x in seen], dtype=np.int64), p - 1)
         ptoks.append(p - cached)
         otoks.append(o)
+        ktoks.append(cached)
         csv_rows += [(cls, int(a), int(b), int(c)) for a, b, c in zip(p, o, cached)]
-    return PromptSet(ptoks, otoks), csv_rows
+    return PromptSet(ptoks, otoks, cached_tokens=ktoks), csv_rows
 
 
 def cache_replay(ps_rows, live: dict, classes: list[str]) -> tuple[dict, dict]:
@@ -149,21 +153,23 @@ def cache_replay(ps_rows, live: dict, classes: list[str]) -> tuple[dict, dict]:
             occ: dict[tuple[str, int], list[int]] = {}
             for row in rows:
                 occ.setdefault((row.request_class, row.prompt_index), []).append(row.cached_tokens)
-            ptoks, otoks, ids = [], [], []
+            ptoks, otoks, ktoks, ids = [], [], [], []
             for c in classes:
                 pool = base[c]
                 uses = max([len(occ.get((c, i), ())) for i in range(len(pool))] + [1])
-                pt, ot = [], []
+                pt, ot, kt = [], [], []
                 ids.append(np.tile(np.arange(len(pool), dtype=np.int64), uses))  # copy j of prompt i is prompt i
                 for j in range(uses):
                     for i, (p, o, k) in enumerate(pool):
                         seen = occ.get((c, i), [])
                         kk = seen[j] if j < len(seen) else (int(np.median(seen)) if seen else k)
-                        pt.append(max(p - min(kk, p - 1), 1))
+                        kt.append(max(min(kk, p - 1), 0))
+                        pt.append(p - kt[-1])
                         ot.append(o)
                 ptoks.append(np.array(pt, dtype=np.int64))
                 otoks.append(np.array(ot, dtype=np.int64))
-            sets.setdefault(key, []).append(PromptSet(ptoks, otoks, ids))
+                ktoks.append(np.array(kt, dtype=np.int64))
+            sets.setdefault(key, []).append(PromptSet(ptoks, otoks, ids, ktoks))
             served.setdefault(key, []).append(float(np.mean([row.cached_tokens for row in rows])) if rows else math.nan)
     return sets, served
 
@@ -193,9 +199,7 @@ def calibrate_for(cfg, out: Path, opts: FidelityOptions) -> Path:
     ks = tuple(k for k in opts.calibrate_ks if k <= cfg.controller.max_k) or (1,)
     return calibrate(out, target=cfg.models.target, draft=draft, dtype=cfg.models.dtype, device=cfg.models.device,
                      repeats=opts.calibrate_repeats, batch_sizes=batch, ks=ks, prefill=True,
-                     # the table alone: within a token count the measured contexts barely vary, so a
-                     # context term is fitted to noise and can leave the table flat (``fit_profile``)
-                     context_term=False,
+                     prompt_tokens=tuple(opts.calibrate_prompt_tokens), context_term=True,
                      engine_options={"max_model_len": cfg.engine.max_model_len,
                                      "max_num_batched_tokens": cfg.engine.max_num_batched_tokens,
                                      "block_size": cfg.engine.block_size,

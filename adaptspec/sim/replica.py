@@ -172,7 +172,8 @@ class Replica:
             self.rid[s], self.cls[s] = r, self.req.class_idx[r]
             self.remaining[s] = self.req.output_tokens[r]
             self.prefill_left[s] = self.req.prompt_tokens[r]
-            self.ctx[s] = 0
+            # what a prefix cache served is context from the first pass on, as num_computed live
+            self.ctx[s] = 0 if self.req.cached_tokens is None else int(self.req.cached_tokens[r])
             self.kv_used += need
             self.prefilling.append(int(s))
             self.n_active += 1
@@ -268,7 +269,7 @@ class Replica:
             for lo, hi, cf, _ in pending:
                 conf_all[o:o + hi - lo, : cf.shape[1]] = cf
                 o += hi - lo
-            fixed = self.cost.step(0, 0, self._draft_batch(forwards, is_draft), ngram, mean_ctx)
+            fixed = self.cost.step(0, 0, self._draft_batch(forwards, is_draft), ngram, mean_ctx, requests=n_dec)
             pick = self.policy.select(conf_all, n_dec + min(self._backlog_chunk(), self.max_tokens), context,
                                       fixed.draft_s + fixed.other_s)
             proposed[rows] = np.minimum(proposed[rows], pick)
@@ -311,8 +312,14 @@ class Replica:
             budget -= take
             prefill_tokens += take
         verify_tokens = prefill_tokens + decode_tokens
+        # the step's context as the engine counts it and pays for it: every row's request's tokens
+        # already in the cache (a prompt chunk's cached prefix and earlier chunks too); the policy
+        # is shown the decoding requests' (``context``), which its cost models take
+        step_context = context + sum(int(self.ctx[s]) for s, _ in chunks)
         draft_batch = self._draft_batch(forwards, is_draft)
-        t = self.cost.step(verify_tokens, context, draft_batch, ngram, mean_ctx, prompt_tokens=prefill_tokens)
+        n_run = n_dec if scheduled is None else int(scheduled.sum())
+        t = self.cost.step(verify_tokens, step_context, draft_batch, ngram, mean_ctx, prompt_tokens=prefill_tokens,
+                           requests=n_run)
         end = now + t.wall_s
         rec = self.rec
         b = rec.bin(end)
@@ -370,8 +377,8 @@ class Replica:
         rec.step_decoding.append(n_dec)
         rec.step_emitted.append(emitted_total)
         if rec.step_shapes is not None:
-            rec.step_shapes.append([end, n_dec if scheduled is None else int(scheduled.sum()), prefill_tokens,
-                                    decode_tokens, context, ngram, t.draft_s, t.verify_s, t.other_s,
+            rec.step_shapes.append([end, n_run, prefill_tokens,
+                                    decode_tokens, step_context, ngram, t.draft_s, t.verify_s, t.other_s,
                                     *(int(x) for x in draft_batch if x > 0)])
         self.last_verify_tokens, self.last_context = verify_tokens, context
         if self.admission is not None:

@@ -53,7 +53,7 @@ def reprice(shape, cost) -> tuple[float, float, float]:
     decoding, prompt, decode, context, ngram = (int(x) for x in shape[1:6])
     batch = np.asarray(shape[_N:], dtype=float)
     mean_ctx = context / decoding if decoding else 0.0
-    t = cost.step(decode + prompt, context, batch, ngram, mean_ctx, prompt_tokens=prompt)
+    t = cost.step(decode + prompt, context, batch, ngram, mean_ctx, prompt_tokens=prompt, requests=decoding)
     return t.draft_s, t.verify_s, t.other_s
 
 

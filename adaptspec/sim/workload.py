@@ -33,6 +33,9 @@ class Requests:
     output_tokens: np.ndarray  # [R] int
     class_idx: np.ndarray  # [R] int, index into the scenario's classes
     prompt_idx: np.ndarray | None = None  # [R] int: index into its class's prompt set (-1 / None: none)
+    # [R] int: prompt tokens a prefix cache served (not in prompt_tokens, which are prefilled):
+    # they are not computed, but every pass of the request reads them as context (None: none)
+    cached_tokens: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self.arrival_s.size

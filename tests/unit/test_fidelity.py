@@ -84,9 +84,11 @@ def test_replay_at_a_recorded_k_resamples_its_histogram():
     assert np.all(j <= m) and abs(j.mean() - want) < 4 * j.std() / math.sqrt(j.size)
 
 
-def _replica_steps(truth, output_tokens: int, n_req: int = 8, k: int = 4, seed: int = 0, prompt_idx=None):
-    """A replica running ``n_req`` requests (4-token prompts; ``prompt_idx``: each one's prompt)
-    with the static arm ngram:k to the end; every ``StepOutcome`` it reported, and its recorder."""
+def _replica_steps(truth, output_tokens: int, n_req: int = 8, k: int = 4, seed: int = 0, prompt_idx=None,
+                   cached=None):
+    """A replica running ``n_req`` requests (4-token prompts; ``prompt_idx``: each one's prompt;
+    ``cached``: each one's prompt tokens a prefix cache served) with the static arm ngram:k to the
+    end; every ``StepOutcome`` it reported, and its recorder."""
     from adaptspec.control import Arm, PolicyConfig, StaticPolicy
     from adaptspec.control.costs import ProfileCostModel, ProfileFile
     from adaptspec.sim.replica import ClassTruth, Recorder, Replica
@@ -101,9 +103,9 @@ def _replica_steps(truth, output_tokens: int, n_req: int = 8, k: int = 4, seed: 
     cost = ProfileCostModel(ProfileFile(name="t", verify_tokens=[1.0, 1001.0], verify_s=[0.01, 0.02],
                                         max_num_seqs=64, max_batched_tokens=4096))
     req = Requests(np.zeros(n_req), np.full(n_req, 4), np.full(n_req, output_tokens), np.zeros(n_req, dtype=np.int64),
-                   prompt_idx)
+                   prompt_idx, cached)
     policy = Capture(Arm("ngram", k), PolicyConfig(("ngram",), k))
-    rec = Recorder(n_req, 1, policy.table.arms, 1.0, 10_000)
+    rec = Recorder(n_req, 1, policy.table.arms, 1.0, 10_000, step_shapes=[])
     r = Replica(cost, policy, [ClassTruth("c", {"ngram": truth})], req, rec, np.random.default_rng(seed), k,
                 drafters=("ngram",))
     for i in range(n_req):
@@ -114,6 +116,21 @@ def _replica_steps(truth, output_tokens: int, n_req: int = 8, k: int = 4, seed: 
         now = r.busy_until
     assert np.all(np.isfinite(rec.finish_s))
     return seen, rec
+
+
+def test_a_cached_prefix_is_context_of_every_pass_of_its_request_with_a_control():
+    """As the engine counts a step's context (every row's request's tokens already cached): a
+    request whose prompt has 100 cached tokens prefills its 4 others reading those 100, and every
+    decode step reads them too (the step's shape, which is priced, and what the policy is told).
+    Control: without cached tokens the prompt pass reads nothing."""
+    truth = _record(0.0, 0.9, k=4, n=200, seed=1)
+    cached, rec = _replica_steps(truth, output_tokens=6, n_req=2, cached=np.array([100, 100]))
+    plain, rec0 = _replica_steps(truth, output_tokens=6, n_req=2)
+    assert rec.step_shapes[0][2] == rec0.step_shapes[0][2] == 8  # both prompts in the first pass
+    assert rec.step_shapes[0][4] == 200 and rec0.step_shapes[0][4] == 0
+    # the first decode step: each request's 100 cached + 4 prefilled + its first token
+    assert rec.step_shapes[1][4] == cached[1].context_tokens == 2 * 105
+    assert rec0.step_shapes[1][4] == plain[1].context_tokens == 2 * 5
 
 
 def test_replica_verifies_what_the_recorded_drafter_proposed_with_a_control():
@@ -827,6 +844,7 @@ def test_cache_replay_replays_each_runs_prefix_cache_hits_in_send_order():
     sets, served = cache_replay(ps_rows, live, ["a", "b"])
     s0, s1 = sets[("p", "c=1")]
     assert s0.prompt_tokens[0].tolist() == [40 - 32, 50 - 48, 40 - 16, 50 - 32]
+    assert s0.cached_tokens[0].tolist() == [32, 48, 16, 32]  # read as context by the simulated passes
     # b1 was sent once (64 cached of 70), b0 twice; b1's second copy: its median in the run
     assert s0.prompt_tokens[1].tolist() == [30 - 16, 70 - 64, 30 - 29, 70 - 64]
     assert s0.output_tokens[0].tolist() == [7, 8, 7, 8] and s0.output_tokens[1].tolist() == [9, 6, 9, 6]
@@ -837,6 +855,7 @@ def test_cache_replay_replays_each_runs_prefix_cache_hits_in_send_order():
     assert served[("p", "c=1")] == pytest.approx([(32 + 16 + 48 + 64 + 16 + 29 + 32) / 7, 0.0])
     full = cache_replay([("a", 20, 5, 0)], {"x": {("p", "c=1"): [_cache_run([("a", 0, 20)])]}}, ["a"])[0]
     assert full[("p", "c=1")][0].prompt_tokens[0].tolist() == [1]  # all cached: one token still prefilled
+    assert full[("p", "c=1")][0].cached_tokens[0].tolist() == [19]
 
 
 def test_a_run_whose_cache_served_less_is_simulated_with_a_later_first_token():

@@ -29,6 +29,54 @@ def test_fit_profile_recovers_verify_context_draft_and_overhead():
     assert prof.step_overhead_s == pytest.approx(0.002)
 
 
+def test_points_measured_at_two_contexts_price_the_context_and_keep_the_per_request_cost_with_a_control():
+    """The truth: 0.02 s + 1 ms per token + 2 ms per request + 6 us per context token. Every
+    point (batch, k) measured at 32 and at 160 prompt tokens a request: the fit finds the 6 us
+    and its table keeps the per-request cost, which grows with the context too (a fit across
+    points could hand it to the context). Control: each point at one context (the context grows
+    with the batch, as with one prompt length) prices no context."""
+    def steps(lengths):
+        out = []
+        for b in (1, 4, 16):  # one batch size per token count: the table can hold the truth
+            for k in (0, 1):
+                for i, plen in enumerate(lengths):
+                    for step in range(3):
+                        ctx = b * (plen + step)
+                        t = 0.02 + 0.001 * b * (k + 1) + 0.002 * b + 6e-6 * ctx
+                        out.append(StepSample(b, "ngram" if k else "none", k, b * (k + 1), ctx, t, 0.0, 0.001))
+        return out
+
+    kw = dict(name="x", max_num_seqs=16, kv_capacity_tokens=10_000, max_batched_tokens=512)
+    prof = fit_profile(steps((32, 160)), **kw)
+    assert prof.verify_context_s_per_token == pytest.approx(6e-6, rel=1e-6)
+    m = ProfileCostModel(prof)
+    # a point's measured times come back at both of its contexts, the per-request cost in the table
+    assert m.verify_s(16, 16 * 160) == pytest.approx(0.02 + 0.016 + 0.032 + 6e-6 * 16 * 160, rel=1e-6)
+    assert m.verify_s(4, 4 * 32) == pytest.approx(0.02 + 0.004 + 0.008 + 6e-6 * 4 * 32, rel=1e-6)
+    assert m.verify_s(32, 0) == pytest.approx(0.02 + 0.032 + 0.032, rel=1e-6)
+    one = fit_profile(steps((128,)), **kw)
+    assert one.verify_context_s_per_token == 0.0  # the control: within a point the context barely moves
+
+
+def test_host_time_is_a_line_over_the_batch_with_a_falling_line_as_the_control():
+    """Decode steps' host time 1.5 ms + 0.12 ms per request (a 16-request step 3.42 ms): the fit
+    finds both, and the step prices 16 requests at 3.42 ms where the old median of all would
+    charge every step alike. Control: host time falling with the batch gives the median of all
+    and no per-request part."""
+    def steps(host):
+        return [StepSample(b, "none", 0, b, 100 * b, 0.02 + 0.001 * b, 0.0, host(b)) for b in (1, 2, 4, 8, 16)
+                for _ in range(3)]
+
+    kw = dict(name="x", max_num_seqs=16, kv_capacity_tokens=10_000, max_batched_tokens=512, context_term=False)
+    prof = fit_profile(steps(lambda b: 0.0015 + 0.00012 * b), **kw)
+    assert prof.step_overhead_s == pytest.approx(0.0015) and prof.step_overhead_s_per_request == pytest.approx(0.00012)
+    m = ProfileCostModel(prof)
+    assert m.step(16, 0, np.zeros(1), 0, 0.0, requests=16).other_s == pytest.approx(0.00342)
+    assert m.step(1, 0, np.zeros(1), 0, 0.0, requests=1).other_s == pytest.approx(0.00162)
+    falling = fit_profile(steps(lambda b: 0.004 - 0.0001 * b), **kw)
+    assert falling.step_overhead_s_per_request == 0.0 and falling.step_overhead_s == pytest.approx(0.004 - 0.0004)
+
+
 def test_fit_profile_needs_steps():
     with pytest.raises(ValueError, match="no steps"):
         fit_profile([], name="x", max_num_seqs=1, kv_capacity_tokens=1, max_batched_tokens=1)
@@ -174,13 +222,35 @@ def test_calibration_passes_alternate_the_grid_order_so_drift_spreads_over_every
                   device="cpu", repeats=1, batch_sizes=(1,), ks=(2,), probe=False, passes=0)
 
 
+def test_calibration_points_take_the_prompt_lengths_in_turn_so_each_meets_every_context(tiny_dir, tmp_path):
+    """Prompt lengths (16, 48) over two passes: in a pass the points alternate lengths, and the
+    next pass gives each point the other one, so every (batch, arm) is measured at both contexts;
+    a length < 1 is refused by name."""
+    import csv
+
+    from adaptspec.sim.calibrate import calibrate
+
+    out = calibrate(tmp_path / "p.json", target=str(tiny_dir), draft=None, dtype="float32", device="cpu",
+                    repeats=1, batch_sizes=(1, 2), ks=(2,), probe=False, passes=2, prompt_tokens=(16, 48))
+    rows = [r for r in csv.DictReader(open(out.with_suffix(".steps.csv"))) if r["drafter"] != "prefill"]
+    seen: dict = {}
+    for r in rows:  # context per request rounded down to the prompt length it started from
+        b = int(r["batch_size"])
+        seen.setdefault((b, r["drafter"]), set()).add(16 if int(r["context_tokens"]) // b < 48 else 48)
+    assert seen == {(1, "none"): {16, 48}, (1, "ngram"): {16, 48}, (2, "none"): {16, 48}, (2, "ngram"): {16, 48}}
+    with pytest.raises(ValueError, match="prompt_tokens"):
+        calibrate(tmp_path / "q.json", target=str(tmp_path / "no-such-model"), draft=None, dtype="float32",
+                  device="cpu", repeats=1, batch_sizes=(1,), ks=(2,), probe=False, prompt_tokens=(16, 0))
+
+
 # ---- speed probes and the profile's reference ---------------------------------------------------
 def _profile(**extra):
     from adaptspec.control.costs import ProfileFile
 
     return ProfileFile(name="p", verify_tokens=[1.0, 8.0], verify_s=[0.010, 0.020], verify_context_s_per_token=1e-6,
                        draft_batch=[1.0, 4.0], draft_s=[0.002, 0.004], draft_context_s_per_token=2e-7,
-                       ngram_s_per_request=1e-4, step_overhead_s=0.0014, kv_capacity_tokens=4096, max_num_seqs=8,
+                       ngram_s_per_request=1e-4, step_overhead_s=0.0014, step_overhead_s_per_request=1e-4,
+                       kv_capacity_tokens=4096, max_num_seqs=8,
                        max_batched_tokens=256, calibrated=True, notes=["n"], **extra)
 
 
@@ -192,7 +262,8 @@ def test_profile_scaled_multiplies_exactly_the_time_fields():
     q = p.scaled(2.5)
     a, b = p.model_dump(), q.model_dump()
     assert set(TIME_FIELDS) == {"verify_s", "verify_context_s_per_token", "draft_s", "draft_context_s_per_token",
-                                "ngram_s_per_request", "step_overhead_s", "prefill_s"}
+                                "ngram_s_per_request", "step_overhead_s", "step_overhead_s_per_request",
+                                "prefill_s"}
     for k in a:
         if k in TIME_FIELDS:
             want = [2.5 * x for x in a[k]] if isinstance(a[k], list) else 2.5 * a[k]
@@ -204,6 +275,7 @@ def test_profile_scaled_multiplies_exactly_the_time_fields():
     args = (12, 300.0, np.array([2.0, 1.0]), 3, 100.0)
     assert m2.step(*args).wall_s == pytest.approx(2.5 * m.step(*args).wall_s)
     assert m2.step(*args, prompt_tokens=8).wall_s == pytest.approx(2.5 * m.step(*args, prompt_tokens=8).wall_s)
+    assert m2.step(*args, requests=5).other_s == pytest.approx(2.5 * (0.0014 + 5e-4))
     for bad in (0.0, -1.0, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="factor"):
             p.scaled(bad)

@@ -124,8 +124,9 @@ def _prompt_set() -> PromptSet:
 def test_round_robin_prompt_set_sends_what_the_in_process_load_test_sends():
     classes = [ClassSpec(name=n, acceptance={"ngram": {"bernoulli": 0.1}}) for n in ("a", "b", "c")]
     src = RequestSource(classes, _prompt_set(), "round_robin", np.random.default_rng(0))
-    cls, p, o, pick = src.take(4)
-    cls2, p2, o2, pick2 = src.take(5)  # continues the sequence
+    cls, p, o, pick, cached = src.take(4)
+    cls2, p2, o2, pick2, _ = src.take(5)  # continues the sequence
+    assert cached.tolist() == [0, 0, 0, 0]  # a set without cached tokens
     pools = {0: [10, 11, 12], 1: [20, 21], 2: [30]}
     # InProcessService.run_level: class = classes[n % C], prompt = pool[(n // C) % len(pool)]
     want = [(n % 3, pools[n % 3][(n // 3) % len(pools[n % 3])]) for n in range(9)]
@@ -140,7 +141,7 @@ def test_a_pool_holding_prompts_more_than_once_names_each_entrys_prompt():
     them prompts 0, 1, 0, 1; control: without ids, the entry's index."""
     classes = [ClassSpec(name="a", acceptance={"ngram": {"bernoulli": 0.1}})]
     pool = PromptSet([np.array([10, 11, 12, 13])], [np.array([1, 2, 3, 4])], [np.array([0, 1, 0, 1])])
-    _, p, _, ids = RequestSource(classes, pool, "round_robin", np.random.default_rng(0)).take(5)
+    _, p, _, ids, _ = RequestSource(classes, pool, "round_robin", np.random.default_rng(0)).take(5)
     assert p.tolist() == [10, 11, 12, 13, 10] and ids.tolist() == [0, 1, 0, 1, 0]
     plain = PromptSet(pool.prompt_tokens, pool.output_tokens)
     assert RequestSource(classes, plain, "round_robin", np.random.default_rng(0)).take(5)[3].tolist() == [0, 1, 2, 3, 0]
@@ -150,9 +151,9 @@ def test_a_class_with_weight_zero_is_skipped_and_random_order_follows_weights():
     classes = [ClassSpec(name="a", weight=1, acceptance={"ngram": {"bernoulli": 0.1}}),
                ClassSpec(name="b", weight=0, acceptance={"ngram": {"bernoulli": 0.1}}),
                ClassSpec(name="c", weight=3, acceptance={"ngram": {"bernoulli": 0.1}})]
-    cls, _, _, _ = RequestSource(classes, _prompt_set(), "round_robin", np.random.default_rng(0)).take(4)
+    cls, *_ = RequestSource(classes, _prompt_set(), "round_robin", np.random.default_rng(0)).take(4)
     assert cls.tolist() == [0, 2, 0, 2]
-    cls, p, _, pick = RequestSource(classes, _prompt_set(), "random", np.random.default_rng(0)).take(4000)
+    cls, p, _, pick, _ = RequestSource(classes, _prompt_set(), "random", np.random.default_rng(0)).take(4000)
     assert 1 not in cls and abs((cls == 2).mean() - 0.75) < 0.03
     assert set(p[cls == 0].tolist()) == {10, 11, 12}
     assert (p[cls == 0] == np.array([10, 11, 12])[pick[cls == 0]]).all()

@@ -41,17 +41,22 @@ def test_step_time_parts():
 
 
 def test_prompt_tokens_are_priced_on_the_prompt_table_when_the_profile_has_one():
-    """Prompt table 0 -> 0.012 s (empty step: the verify table's 1-token price) .. 16 -> 0.03 s
-    .. 64 -> 0.09 s. A prompt-only step of 32 tokens costs the table's 0.05 s; a step with 8
-    decode tokens and 32 prompt tokens costs verify(8) + (0.05 - verify(1)); without a prompt
-    table (the control) the same step costs verify(40), as it always did."""
+    """Prompt table P: 0 -> 0.012 s (empty step: the verify table's 1-token price), 8 -> 0.013 s
+    (the first rows ride on reading the weights), 16 -> 0.03 s, 64 -> 0.09 s. A prompt-only step
+    of 32 tokens costs the table's 0.05 s; a step with 8 decode tokens and 32 prompt tokens costs
+    verify(8) + P(40) - P(8): the prompt rows come on top of the decode rows, past the nearly free
+    first ones (priced from an empty pass, P(32) - P(0), they would cost 0.009 s less); without a
+    prompt table (the control) the same step costs verify(40), as it always did."""
     kw = dict(name="t", verify_tokens=[1, 101], verify_s=[0.012, 0.112], step_overhead_s=0.001)
-    m = ProfileCostModel(ProfileFile(**kw, prefill_tokens=[16, 64], prefill_s=[0.03, 0.09]))
+    m = ProfileCostModel(ProfileFile(**kw, prefill_tokens=[8, 16, 64], prefill_s=[0.013, 0.03, 0.09]))
     plain = ProfileCostModel(ProfileFile(**kw))
     none = np.zeros(1)
     assert m.step(32, 0, none, 0, 0.0, prompt_tokens=32).verify_s == pytest.approx(0.05)
-    assert m.step(40, 0, none, 0, 0.0, prompt_tokens=32).verify_s == pytest.approx(0.019 + 0.05 - 0.012)
-    assert m.step(8, 0, none, 0, 0.0, prompt_tokens=8).verify_s == pytest.approx(0.012 + 0.021 - 0.012)  # 8: 0..16
+    mixed = m.step(40, 0, none, 0, 0.0, prompt_tokens=32).verify_s
+    assert mixed == pytest.approx(0.019 + 0.06 - 0.013)
+    assert mixed - (0.019 + 0.05 - 0.012) == pytest.approx(0.009)  # what an empty pass's marginal would miss
+    assert m.prompt_s(32, 8) == pytest.approx(0.06 - 0.013) and m.prompt_s(32) == pytest.approx(0.05 - 0.012)
+    assert m.step(8, 0, none, 0, 0.0, prompt_tokens=8).verify_s == pytest.approx(0.013)
     assert m.step(8, 0, none, 0, 0.0).verify_s == plain.step(8, 0, none, 0, 0.0).verify_s  # no prompt: as before
     assert m.step(128, 0, none, 0, 0.0, prompt_tokens=128).verify_s == pytest.approx(0.17)  # extrapolates
     assert plain.step(40, 0, none, 0, 0.0, prompt_tokens=32).verify_s == pytest.approx(0.051)  # the control

@@ -11,10 +11,13 @@ plays every one of those assignments forward from the run's state at every epoch
 is the check that an epoch's view does not lose over a run. The full runs, seeds 0-2, are
 in simulations/REPORT.md.
 
-Past saturation (every policy meets its SLOs for under 60% of requests: the queue grows for
-the whole run) goodput only says how long a policy held out before the queue swamped the
-TTFT SLO, so there the comparison is on output-token throughput (>= 0.99 x), the capacity
-each policy delivers. REPORT.md shows both numbers for the overload scenario.
+Goodput is the oracle's objective and what its construction guarantees, also past
+saturation: with SLO-aware admission a saturated replica refuses what it cannot serve in time
+and still serves the rest within their SLOs, and an oracle that admits fewer long requests can
+serve more requests in fewer tokens. Where no policy gets a single request through every SLO
+(the queue swamped the TTFT SLO for the whole run) goodput cannot tell policies apart, and the
+comparison is on output-token throughput (>= 0.99 x), the capacity each policy delivers.
+REPORT.md shows both numbers for the overload scenario.
 
 """
 from pathlib import Path
@@ -66,7 +69,10 @@ def test_oracle_at_least_as_good_as_every_static_policy(path):
     for rate in {r.rate_rps for r in res.runs}:
         runs = {r.policy: r for r in res.runs if r.rate_rps == rate}
         oracle = runs.pop("oracle")
-        if max(r.slo_attainment for r in res.runs if r.rate_rps == rate) < 0.6:  # overloaded
+        # collapsed (no policy gets a request through every SLO): goodput cannot tell them
+        # apart, the oracle must then keep the throughput; elsewhere goodput, its objective (an
+        # oracle that admits fewer long requests may serve fewer tokens and more requests)
+        if max(r.goodput_rps for r in res.runs if r.rate_rps == rate) == 0.0:
             for name, r in runs.items():
                 assert oracle.output_token_throughput >= 0.99 * r.output_token_throughput, (
                     f"{path.stem} @ {rate}: oracle {oracle.output_token_throughput:.0f} tok/s < {name} "
