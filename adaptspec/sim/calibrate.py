@@ -125,14 +125,15 @@ def _context_price(samples: list[StepSample], context: np.ndarray, y: np.ndarray
     vary) left out. 0 when no point spans contexts or the fit is negative."""
     keep = np.array([s.drafter != "prefill" for s in samples])
     samples, context, y = [s for s, m in zip(samples, keep) if m], context[keep], y[keep]
-    keys = [(s.batch_size, s.drafter, s.k, s.verify_tokens) for s in samples]
-    points = sorted(set(keys))
-    if not points:
+    if not samples:
         return 0.0
-    idx = np.array([points.index(k) for k in keys])
-    spans = [context[idx == i].min() > 0 and context[idx == i].max() >= CONTEXT_SPAN * context[idx == i].min()
-             for i in range(len(points))]
-    if not any(spans):
+    points: dict = {}
+    idx = np.array([points.setdefault((s.batch_size, s.drafter, s.k, s.verify_tokens), len(points))
+                    for s in samples])
+    lo, hi = np.full(len(points), np.inf), np.zeros(len(points))
+    np.minimum.at(lo, idx, context)
+    np.maximum.at(hi, idx, context)
+    if not np.any((lo > 0) & (hi >= CONTEXT_SPAN * lo)):
         return 0.0
     X = np.zeros((len(samples), len(points) + 1))
     X[np.arange(len(samples)), idx] = 1.0

@@ -80,8 +80,8 @@ def read_prompt_set(spec: PromptSetSpec, base: Path, classes: list[ClassSpec]) -
     missing = [c.name for c, r in zip(classes, rows) if c.weight > 0 and not r]
     if missing:
         raise ValueError(f"workload.prompt_set.path: {path} has no prompts of classes {missing}")
-    return PromptSet(*([np.array([r[j] for r in rs], dtype=np.int64) for rs in rows] for j in range(2)),
-                     cached_tokens=[np.array([r[2] for r in rs], dtype=np.int64) for rs in rows])
+    col = lambda j: [np.array([r[j] for r in rs], dtype=np.int64) for rs in rows]  # noqa: E731
+    return PromptSet(col(0), col(1), cached_tokens=col(2))
 
 
 class RequestSource:
