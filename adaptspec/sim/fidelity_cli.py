@@ -72,6 +72,10 @@ def fidelity(
                                                     "after it differ by more than this, relative, is simulated "
                                                     "without its factor (the probes cannot tell that minute's speed; "
                                                     "inf: trust every probe)"),
+    speed_from: str = typer.Option("probes", help="each run's speed against the calibration: probes (timed "
+                                                  "right before and after it, see --probe), steps (its own engine "
+                                                  "steps priced on the profile: checks the model, not the "
+                                                  "calibration's speed) or none (the calibration's speed)"),
     path_delay: bool = typer.Option(True, "--path-delay/--no-path-delay",
                                     help="add each level's median TTFT outside the engine, measured live through "
                                          "the service (client TTFT less the engine's), to that path's simulated "
@@ -95,11 +99,13 @@ def fidelity(
     """Run one workload live and simulated; per class and level, the relative error of
     throughput, TTFT and TPOT p50/p99, and the arms chosen (a table, JSON and a plot)."""
     from adaptspec.serve.cli import load_levels
-    from adaptspec.sim.fidelity_run import FidelityOptions, resimulate as resim, run_fidelity
+    from adaptspec.sim.fidelity_run import SPEED_FROM, FidelityOptions, resimulate as resim, run_fidelity
 
     console = _console()
     if not probe_tolerance >= 0:
         raise ValueError(f"--probe-tolerance: must be >= 0 (inf: trust every probe), got {probe_tolerance}")
+    if speed_from not in SPEED_FROM:
+        raise ValueError(f"--speed-from: one of {', '.join(SPEED_FROM)}, got {speed_from!r}")
     if resimulate is not None:
         if profile and not Path(profile).is_file():
             raise ValueError(f"--profile: {profile} is not a file")
@@ -109,7 +115,8 @@ def fidelity(
                                        snapshots=snapshots, sim_seeds=sim_seeds if sim_seeds > 1 else None,
                                        profile=profile, probe=probe, prompt_probe=prompt_probe,
                                        cache_replay=cache_replay, per_prompt=per_prompt,
-                                       probe_tolerance=probe_tolerance, path_delay=path_delay)
+                                       probe_tolerance=probe_tolerance, path_delay=path_delay,
+                                       speed_from=speed_from)
         _report(console, cells, goal_list, meta, out)
         return
     levels = load_levels(concurrency, "", think_time=think_time, think=think, seed=arrival_seed) if concurrency else []
@@ -129,7 +136,8 @@ def fidelity(
                            sim_seeds=sim_seeds, grpc=grpc,
                            torch_threads=torch_threads, host_gap=host_gap, snapshots=snapshots, probe=probe,
                            prompt_probe=prompt_probe, cache_replay=cache_replay, per_prompt=per_prompt,
-                           probe_tolerance=probe_tolerance, path_delay=path_delay, out=out)
+                           probe_tolerance=probe_tolerance, path_delay=path_delay, speed_from=speed_from,
+                           out=out)
     if not opts.classes:
         raise ValueError("--classes: at least one class")
     if profile and not Path(profile).is_file():
@@ -166,12 +174,16 @@ def _report(console, cells, goal_list, meta, out: Path) -> None:
                       f"{1e3 * g.get('per_request_s', 0.0):.3f} ms per request in the step")
     sp = meta.get("speed") or {}
     if sp.get("probed_runs") and "median" in sp:
-        console.print(f"speed factor (live probe / calibration probe, > 1: the live engine was slower), "
+        what = ("live decode steps / the same steps priced on the profile" if sp.get("source") == "steps"
+                else "live probe / calibration probe")
+        console.print(f"speed factor ({what}, > 1: the live engine was slower), "
                       f"{sp['probed_runs']} runs: min {sp['min']:.3f}, median {sp['median']:.3f}, max {sp['max']:.3f}; "
                       + ("applied to the simulated step costs per run" if sp.get("applied") else "not applied"))
     pp = meta.get("prompt_speed") or {}
     if pp.get("probed_runs") and "median" in pp:
-        console.print(f"prompt factor (live prompt passes / the profile's prompt table), {pp['probed_runs']} runs: "
+        what = ("live prompt-carrying steps less their decode rows / their prompt chunks priced"
+                if pp.get("source") == "steps" else "live prompt passes / the profile's prompt table")
+        console.print(f"prompt factor ({what}), {pp['probed_runs']} runs: "
                       f"min {pp['min']:.3f}, median {pp['median']:.3f}, max {pp['max']:.3f}; applied to the "
                       "simulated prompt passes per run")
     if sp.get("calibration_drift") is not None:

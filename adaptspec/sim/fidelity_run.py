@@ -38,6 +38,9 @@ from adaptspec.sim.fidelity import (
 )
 
 
+SPEED_FROM = ("probes", "steps", "none")  # FidelityOptions.speed_from
+
+
 @dataclass(slots=True)
 class FidelityOptions:
     config: str | None = None
@@ -64,6 +67,9 @@ class FidelityOptions:
     # a run whose probe after it differs from the one before by more than this (relative, at any
     # batch size or prompt length) is simulated without its factor (see speed_factors)
     probe_tolerance: float = 0.1
+    # where each run's speed factor comes from: "probes" (taken around it, above), "steps" (its
+    # own engine steps priced on the profile: ``step_factors``) or "none" (the calibration's)
+    speed_from: str = "probes"
     # add each level's median time outside the engine (measured live through a service) to the
     # simulated side's token times of that path (see path_delays)
     path_delay: bool = True
@@ -716,6 +722,62 @@ def prompt_factors(live: dict, profile, enabled: bool = True, tolerance: float =
     return factors, meta
 
 
+def step_factors(live: dict, cost) -> tuple[dict, dict, dict, dict, list[str]]:
+    """Each run's speed read off its own engine steps instead of probes around it: the run's
+    decode steps' measured time over the same steps priced on ``cost`` (the factor), and its
+    prompt-carrying steps' time less their decode rows at that factor over their prompt
+    chunks' price (the prompt factor). Returns (speed, prompt_speed, meta, notes) shaped as
+    ``speed_factors`` / ``prompt_factors`` give them (nan: a run with no such steps on file).
+
+    Why: on a machine whose speed moves 10-40% within a minute, half-second probes a minute
+    apart often disagree, and a run simulated at the calibration's speed carries that drift
+    into every cell. Read off the run's steps, the factor is one number per run taken over
+    the whole window, so what is left between live and simulated is the mix of step shapes,
+    the scheduler, the acceptance and the relative prices of shapes -- but no longer the
+    profile's absolute level: a check of the model, not of the calibration's speed."""
+    from adaptspec.control.costs import ProfileCostModel
+    from adaptspec.sim.speed_probe import summary
+
+    double = ProfileCostModel(cost.profile.scaled(1.0, 2.0))  # prompt table alone doubled
+    speed: dict = {}
+    prompt_speed: dict = {}
+    per_run = []
+    logged = next((runs for runs in live.values() if any(r.shapes for rs in runs.values() for r in rs)), None)
+    if logged is None:
+        return {}, {}, {"applied": False, "source": "steps"}, {"applied": False, "source": "steps"}, [
+            "--speed-from steps: no live run on file logged its engine steps: every run simulated at the "
+            "calibration's speed (factor 1)"]
+    for key, rs in logged.items():
+        fs, fps = [], []
+        for i, r in enumerate(rs):
+            live_d = priced_d = live_p = decode_p = table_p = 0.0
+            n_d = n_p = 0
+            for s in r.shapes or []:
+                t = float(sum(s[6:9]))
+                one = sum(step_shapes.reprice(s, cost))
+                if s[2] > 0:  # a prompt chunk rode along: T = decode rows + prompt part (linear in each table)
+                    prompt_part = sum(step_shapes.reprice(s, double)) - one
+                    live_p, decode_p, n_p = live_p + t, decode_p + one - prompt_part, n_p + 1
+                    table_p += prompt_part
+                else:
+                    live_d, priced_d, n_d = live_d + t, priced_d + one, n_d + 1
+            f = live_d / priced_d if n_d and priced_d > 0 else math.nan
+            fp = (live_p - (f if math.isfinite(f) else 1.0) * decode_p) / table_p if n_p and table_p > 0 else math.nan
+            fp = fp if math.isfinite(fp) and fp > 0 else math.nan
+            fs.append(f)
+            fps.append(fp)
+            per_run.append({"policy": key[0], "level": key[1], "round": i, "decode_steps": n_d, "prompt_steps": n_p,
+                            "factor": None if math.isnan(f) else f, "prompt_factor": None if math.isnan(fp) else fp})
+        speed[key], prompt_speed[key] = fs, fps
+    meta = {"applied": True, "source": "steps", "per_run": per_run,
+            **summary([f for fs in speed.values() for f in fs])}
+    p_meta = {"applied": True, "source": "steps", **summary([f for fs in prompt_speed.values() for f in fs])}
+    notes = ["--speed-from steps: every run simulated at the speed its own engine steps ran against the profile "
+             "(decode steps: the factor; prompt-carrying steps: the prompt factor); the cells then check the "
+             "step mix, scheduler and acceptance, not the calibration's absolute speed"]
+    return speed, prompt_speed, meta, p_meta, notes
+
+
 def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recording, prompt_set, cost,
                         gap: dict, meta: dict, console, ps_rows=None) -> tuple[list[Cell], list, dict]:
     """The simulated side of every (level, policy) and the comparison: ``fidelity.json``,
@@ -728,9 +790,15 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     truths, notes = truths_from_recording(recording, list(opts.classes), cfg.drafters, per_prompt=opts.per_prompt)
     class_specs = [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes]
     used_gap = gap if opts.host_gap else {}
-    speed, speed_meta, speed_notes = speed_factors(live, cost.profile, opts.probe, opts.probe_tolerance)
-    prompt_speed, prompt_meta = prompt_factors(live, cost.profile, opts.probe and opts.prompt_probe,
-                                               opts.probe_tolerance)
+    if opts.speed_from == "steps":
+        speed, prompt_speed, speed_meta, prompt_meta, speed_notes = step_factors(live, cost)
+    else:
+        probes = opts.probe and opts.speed_from == "probes"
+        speed, speed_meta, speed_notes = speed_factors(live, cost.profile, probes, opts.probe_tolerance)
+        prompt_speed, prompt_meta = prompt_factors(live, cost.profile, probes and opts.prompt_probe,
+                                                   opts.probe_tolerance)
+        if opts.speed_from == "none":
+            speed_notes = ["--speed-from none: every run simulated at the calibration's speed (factor 1)"]
     notes = [*notes, *speed_notes]
     run_prompts, served = cache_replay(ps_rows, live, list(opts.classes)) if opts.cache_replay and ps_rows \
         else ({}, {})
@@ -850,7 +918,8 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
                snapshots: bool = True, sim_seeds: int | None = None,
                profile: str | None = None, probe: bool = True, prompt_probe: bool = True,
                cache_replay: bool = True, per_prompt: bool = True,
-               probe_tolerance: float = 0.1, path_delay: bool = True) -> tuple[list[Cell], list, dict]:
+               probe_tolerance: float = 0.1, path_delay: bool = True,
+               speed_from: str = "probes") -> tuple[list[Cell], list, dict]:
     """The simulated side again, against the live runs a fidelity run left in ``src``
     (``live_runs.json``, ``acceptance.json``, ``prompt_set.csv``, its profile): for a changed
     simulator, without the live runs (and the quiet machine) they took. ``profile``: another
@@ -884,7 +953,8 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
                            warmup_s=meta["warmup_s"], rounds=meta["rounds"], profile=profile or meta["profile"],
                            sim_seeds=sim_seeds or meta["sim_seeds"], host_gap=host_gap, snapshots=snapshots,
                            probe=probe, prompt_probe=prompt_probe, cache_replay=cache_replay, per_prompt=per_prompt,
-                           probe_tolerance=probe_tolerance, path_delay=path_delay, out=Path(out))
+                           probe_tolerance=probe_tolerance, path_delay=path_delay, speed_from=speed_from,
+                           out=Path(out))
     if profile is not None:
         meta = {**meta, "profile": str(profile), "profile_measured": meta["profile"]}
     profile = Path(meta["profile"])

@@ -528,6 +528,21 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
     assert res.exit_code == 0, res.output
     off = json.loads((tmp_path / "noprobe" / "fidelity.json").read_text())["meta"]
     assert not off["speed"]["applied"] and any("--no-probe" in n for n in off["notes"])
+    # each run's speed read off its own logged steps instead (and none: the calibration's)
+    for source in ("steps", "none"):
+        res = CliRunner().invoke(app, ["fidelity", "--config", str(cfg), "--resimulate", str(out), "--out",
+                                       str(tmp_path / source), "--speed-from", source])
+        assert res.exit_code == 0, res.output
+        got = json.loads((tmp_path / source / "fidelity.json").read_text())["meta"]
+        assert any(f"--speed-from {source}" in n for n in got["notes"])
+        if source == "steps":
+            assert got["speed"]["applied"] and got["speed"]["probed_runs"] == 4 and got["speed"]["source"] == "steps"
+            assert "live decode steps" in res.output
+        else:
+            assert not got["speed"]["applied"] and not got["prompt_speed"]["applied"]
+    bad = CliRunner().invoke(app, ["fidelity", "--resimulate", str(out), "--out", str(tmp_path / "x"),
+                                   "--speed-from", "clock"])
+    assert bad.exit_code != 0 and "--speed-from" in bad.output
 
 
 def test_host_gap_fit_and_its_fallbacks():
@@ -787,6 +802,49 @@ def test_speed_factors_from_probes_and_old_live_files_without_them(tmp_path):
     assert factors == {} and not meta["applied"] and "no speed probes" in notes[0]
     factors, meta, notes = speed_factors(live, cost.profile)  # a profile calibrated before probes
     assert factors == {} and "no speed probe" in notes[0]
+
+
+def _priced_shapes(cost, f: float, fp: float) -> list[list]:
+    """Engine step shapes (``step_shapes.FIELDS``; decode-only and prompt-carrying, one and
+    four requests, a draft batch) whose times are ``cost`` at speed ``f``, prompt table ``fp``."""
+    from adaptspec.control.costs import ProfileCostModel
+    from adaptspec.sim import step_shapes
+
+    run_cost = ProfileCostModel(cost.profile.scaled(f, fp))
+    out = []
+    for i, (decoding, prompt, decode, ctx, batch) in enumerate(
+            [(1, 0, 1, 40, []), (4, 0, 12, 300, [4, 4]), (2, 0, 2, 90, []), (1, 48, 1, 40, []),
+             (4, 16, 12, 320, [4]), (0, 60, 0, 0, [])] * 3):
+        s = [float(i), decoding, prompt, decode, ctx, 0, 0.0, 0.0, 0.0, *batch]
+        s[6:9] = step_shapes.reprice(s, run_cost)
+        out.append(s)
+    return out
+
+
+def test_step_factors_read_each_runs_speed_off_its_own_steps():
+    """``--speed-from steps``: a run whose decode steps took 1.3x the profile's price and whose
+    prompt chunks took 0.7x the prompt table's gets factors 1.3 and 0.7 (the prompt factor net of
+    the decode rows it carried), whatever the mix of shapes. Controls: steps at the profile's own
+    price give 1 and 1; a run with no steps on file gets none (nan), and files without any give
+    no factors and a note."""
+    from adaptspec.sim.fidelity_run import step_factors
+
+    _, _, cost, *_ = _speed_setup(rounds=1)
+    from adaptspec.control.costs import ProfileCostModel
+
+    cost = ProfileCostModel(cost.profile.model_copy(update={"prefill_tokens": [8.0, 64.0], "prefill_s": [0.02, 0.08],
+                                                            "draft_batch": [1.0, 8.0], "draft_s": [0.002, 0.004]}))
+    key = ("static:none:0", "c=1")
+    runs = [Run(_rows(0.1, 0.02, 3), (0.0, 10.0), shapes=_priced_shapes(cost, 1.3, 0.7)),
+            Run(_rows(0.1, 0.02, 3), (0.0, 10.0), shapes=_priced_shapes(cost, 1.0, 1.0)),
+            Run(_rows(0.1, 0.02, 3), (0.0, 10.0))]
+    speed, prompt_speed, meta, p_meta, notes = step_factors({"in-process": {key: runs}}, cost)
+    assert speed[key][:2] == [pytest.approx(1.3), pytest.approx(1.0)] and math.isnan(speed[key][2])
+    assert prompt_speed[key][:2] == [pytest.approx(0.7), pytest.approx(1.0)] and math.isnan(prompt_speed[key][2])
+    assert meta["source"] == "steps" and meta["probed_runs"] == 2 and p_meta["median"] == pytest.approx(0.85)
+    assert [r["decode_steps"] for r in meta["per_run"]] == [9, 9, 0] and "steps" in notes[0]
+    none = step_factors({"in-process": {key: [runs[2]]}}, cost)
+    assert none[0] == {} and not none[2]["applied"] and "no live run" in none[4][0]
 
 
 def test_a_run_whose_probes_disagree_is_simulated_without_its_factor():
