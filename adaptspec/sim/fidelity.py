@@ -174,6 +174,43 @@ class Cell:
         """Both sides ran the class and chose the same arm most ("-": no steps of it)."""
         return self.live.top_arm == self.sim.top_arm != "-"
 
+    @property
+    def same_top_drafter(self) -> bool:
+        """Both sides drafted with the same drafter most (steps of its arms summed over k): the
+        kind of choice, where the top arm also asks for the same k among near-equal ones."""
+        live, sim = (max(_by_drafter(x.arms).items(), key=lambda kv: kv[1], default=("-", 0))[0]
+                     for x in (self.live, self.sim))
+        return live == sim != "-"
+
+    @property
+    def arm_distance(self) -> float:
+        """Total variation distance between the two sides' shares of steps by arm: 0 the same
+        mix, 1 no arm in common (nan: a side ran no steps of the class)."""
+        a, b = self.live.arms, self.sim.arms
+        if not a or not b:
+            return math.nan
+        return 0.5 * sum(abs(a.get(k, 0.0) - b.get(k, 0.0)) for k in set(a) | set(b))
+
+
+def _by_drafter(arms: dict[str, float]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for arm, share in arms.items():
+        out[arm.split(":")[0]] = out.get(arm.split(":")[0], 0.0) + share
+    return out
+
+
+def arm_summary(cells: list[Cell]) -> str:
+    """How close the adaptive policy's choices were beyond the top arm (not a goal of the issue:
+    a sampling policy spreads its steps over arms of near-equal value, and one live run's top
+    arm among them is a draw): top drafter agreement and the median arm-share distance."""
+    adaptive = [c for c in cells if c.adaptive and c.request_class != ALL]
+    if not adaptive:
+        return ""
+    tv = [c.arm_distance for c in adaptive if not math.isnan(c.arm_distance)]
+    return (f"adaptive arms beyond the top arm (not judged): top drafter agrees in "
+            f"{sum(c.same_top_drafter for c in adaptive)}/{len(adaptive)} cells; arm-share distance (total "
+            f"variation) median {float(np.median(tv)) if tv else math.nan:.2f}, max {max(tv, default=math.nan):.2f}")
+
 
 def make_cell(path: str, policy: str, level: str, request_class: str, adaptive: bool, live: SideMetrics,
               sim: SideMetrics) -> Cell:
@@ -275,7 +312,8 @@ def to_json(cells: list[Cell], goal_list: list[Goal], meta: dict) -> str:
         return x
 
     data = {"meta": meta, "goals": [asdict(g) for g in goal_list],
-            "cells": [{**asdict(c), "same_top_arm": c.same_top_arm} for c in cells]}
+            "cells": [{**asdict(c), "same_top_arm": c.same_top_arm, "same_top_drafter": c.same_top_drafter,
+                       "arm_distance": c.arm_distance} for c in cells]}
     return json.dumps(clean(data), indent=1)
 
 

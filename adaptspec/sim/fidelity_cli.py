@@ -149,7 +149,7 @@ def fidelity(
 def _report(console, cells, goal_list, meta, out: Path) -> None:
     from rich.table import Table
 
-    from adaptspec.sim.fidelity import STEP_HEAD, TABLE_HEAD, plot, step_rows, table_rows
+    from adaptspec.sim.fidelity import STEP_HEAD, TABLE_HEAD, arm_summary, plot, step_rows, table_rows
 
     t = Table(title=f"fidelity: live / simulated (relative error of simulated), {meta['date']}")
     for h in TABLE_HEAD:
@@ -169,6 +169,8 @@ def _report(console, cells, goal_list, meta, out: Path) -> None:
             console.print(f"    {m}")
         if len(g.misses) > 8:
             console.print(f"    ... and {len(g.misses) - 8} more")
+    if arm_summary(cells):
+        console.print(arm_summary(cells))
     for p, g in (meta.get("host_gap") or {"(none)": {}}).items():
         console.print(f"host time between steps, simulated ({p}): {1e3 * g.get('a_s', 0.0):.2f} ms + "
                       f"{1e3 * g.get('per_request_s', 0.0):.3f} ms per request in the step")

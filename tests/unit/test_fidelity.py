@@ -327,6 +327,25 @@ def test_top_arm_agreement_needs_eighty_percent_of_adaptive_cells():
     assert not g.met and g.detail == "3/5 cells" and len(g.misses) == 2
 
 
+def test_top_drafter_and_arm_distance_beyond_the_top_arm():
+    """Near-equal arms of one drafter (ngram:4 live, ngram:5 simulated) differ in the top arm
+    but agree in the top drafter, at a distance of the share moved; a different drafter does
+    not agree (control), and a side with no steps has no distance."""
+    from adaptspec.sim.fidelity import arm_summary
+
+    live = side_metrics([Run(_rows(0.1, 0.02, 4, arms={"ngram:4": 3, "ngram:5": 1}), (0.0, 30.0))], None)
+    near = side_metrics([Run(_rows(0.1, 0.02, 4), (0.0, 30.0))], None, {"ngram:4": 1, "ngram:5": 2, "draft:2": 1})
+    other = side_metrics([Run(_rows(0.1, 0.02, 4), (0.0, 30.0))], None, {"draft:2": 3, "ngram:4": 1})
+    a = make_cell("in-process", "thompson", "c=1", "a", True, live, near)
+    b = make_cell("in-process", "thompson", "c=1", "b", True, live, other)
+    assert not a.same_top_arm and a.same_top_drafter and a.arm_distance == pytest.approx(0.5)
+    assert not b.same_top_drafter and b.arm_distance == pytest.approx(0.75)
+    empty = side_metrics([Run([], (0.0, 1.0))], None)
+    assert math.isnan(make_cell("in-process", "thompson", "c=1", "c", True, empty, empty).arm_distance)
+    assert "top drafter agrees in 1/2 cells" in arm_summary([a, b]) and "median 0.62" in arm_summary([a, b])
+    assert arm_summary([_cell("static:none:0", "a")]) == ""  # no adaptive cell: nothing to say
+
+
 def test_a_cell_without_values_misses_and_the_all_rows_are_not_judged():
     empty = side_metrics([Run([], (0.0, 1.0))], None)
     c = make_cell("in-process", "static:none:0", "c=1", "a", False, empty, empty)
