@@ -726,11 +726,12 @@ def step_factors(live: dict, cost) -> tuple[dict, dict, dict, dict, list[str]]:
     """Each run's speed read off its own engine steps instead of probes around it: the run's
     decode steps' measured time over the same steps priced on ``cost`` (the factor), and its
     prompt-carrying steps' time less their decode rows at that factor over their prompt
-    chunks' price (the prompt factor). Returns (speed, prompt_speed, meta, notes) shaped as
-    ``speed_factors`` / ``prompt_factors`` give them (nan: a run with no such steps on file).
+    chunks' price (the prompt factor). Returns (speed, prompt_speed, speed meta, prompt meta,
+    notes), the factors shaped as ``speed_factors`` / ``prompt_factors`` give them (nan: a run
+    with no such steps on file).
 
-    Why: on a machine whose speed moves 10-40% within a minute, half-second probes a minute
-    apart often disagree, and a run simulated at the calibration's speed carries that drift
+    Why: on a machine whose speed moves within a minute, half-second probes a minute apart
+    often disagree, and a run simulated at the calibration's speed carries that drift
     into every cell. Read off the run's steps, the factor is one number per run taken over
     the whole window, so what is left between live and simulated is the mix of step shapes,
     the scheduler, the acceptance and the relative prices of shapes -- but no longer the
