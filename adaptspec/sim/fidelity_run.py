@@ -660,7 +660,8 @@ def speed_factors(live: dict, profile, enabled: bool = True,
     notes = []
     if untrusted:
         notes.append(f"{len(untrusted)} of {len(meta['per_run'])} runs' speed probes before and after differ by more "
-                     f"than {tolerance:.0%} (--probe-tolerance): those runs are simulated without their factor")
+                     f"than {tolerance:.0%} (--probe-tolerance): those runs are simulated without their factor "
+                     f"(`--resimulate DIR --speed-from steps` reads each run's speed off its own steps)")
     return factors, meta, notes
 
 

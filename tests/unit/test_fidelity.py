@@ -887,7 +887,7 @@ def test_a_run_whose_probes_disagree_is_simulated_without_its_factor():
     f = factors[("static:none:0", "c=1")]
     assert f[0] == pytest.approx(math.sqrt(1.225 * 1.2)) and math.isnan(f[1])
     assert [r["agreed"] for r in meta["per_run"]] == [True, False] and meta["per_run"][1]["apart"] == pytest.approx(0.4)
-    assert "1 of 2 runs" in notes[0] and meta["tolerance"] == 0.1
+    assert "1 of 2 runs" in notes[0] and "--speed-from steps" in notes[0] and meta["tolerance"] == 0.1
     assert _round_factors(f, 1.0)(1) == pytest.approx(f[0])  # the other round's factor stands in
     assert _round_factors([f[1]], 1.0)(0) == 1.0  # none: the calibration's speed
     pf = prompt_factors(live, prof, tolerance=0.1)[0][("static:none:0", "c=1")]
