@@ -846,11 +846,10 @@ def test_step_factors_read_each_runs_speed_off_its_own_steps():
     the decode rows it carried), whatever the mix of shapes. Controls: steps at the profile's own
     price give 1 and 1; a run with no steps on file gets none (nan), and files without any give
     no factors and a note."""
+    from adaptspec.control.costs import ProfileCostModel
     from adaptspec.sim.fidelity_run import step_factors
 
     _, _, cost, *_ = _speed_setup(rounds=1)
-    from adaptspec.control.costs import ProfileCostModel
-
     cost = ProfileCostModel(cost.profile.model_copy(update={"prefill_tokens": [8.0, 64.0], "prefill_s": [0.02, 0.08],
                                                             "draft_batch": [1.0, 8.0], "draft_s": [0.002, 0.004]}))
     key = ("static:none:0", "c=1")
