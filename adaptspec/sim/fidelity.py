@@ -195,7 +195,8 @@ class Cell:
 def _by_drafter(arms: dict[str, float]) -> dict[str, float]:
     out: dict[str, float] = {}
     for arm, share in arms.items():
-        out[arm.split(":")[0]] = out.get(arm.split(":")[0], 0.0) + share
+        drafter = arm.split(":")[0]
+        out[drafter] = out.get(drafter, 0.0) + share
     return out
 
 

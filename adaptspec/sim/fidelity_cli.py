@@ -169,8 +169,9 @@ def _report(console, cells, goal_list, meta, out: Path) -> None:
             console.print(f"    {m}")
         if len(g.misses) > 8:
             console.print(f"    ... and {len(g.misses) - 8} more")
-    if arm_summary(cells):
-        console.print(arm_summary(cells))
+    arms = arm_summary(cells)
+    if arms:
+        console.print(arms)
     for p, g in (meta.get("host_gap") or {"(none)": {}}).items():
         console.print(f"host time between steps, simulated ({p}): {1e3 * g.get('a_s', 0.0):.2f} ms + "
                       f"{1e3 * g.get('per_request_s', 0.0):.3f} ms per request in the step")
