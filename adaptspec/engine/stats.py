@@ -24,6 +24,10 @@ class RequestStepStats:
     accepted: int  # drafted tokens kept (none past an EOS or a stop string that ended the request)
     emitted: int
     draft_confidence: list[float] = field(default_factory=list)  # [drafted] the drafter's probability of each
+    # output tokens the request had before this step (-1: not known). Under greedy decoding what a
+    # drafter proposes there and what the target keeps are a property of the prompt and this
+    # position, which is what lets the simulator replay a request step by step
+    position: int = -1
 
 
 @dataclass(slots=True)

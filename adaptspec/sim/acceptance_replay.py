@@ -52,6 +52,10 @@ class DrafterRecord(BaseModel):
     by_prompt: dict[int, dict[int, list[list[int]]]] | None = Field(
         None, description="prompt (index in its class's prompt pool) -> k asked for -> H[m][j], when the recorder "
                           "knew each request's prompt")
+    by_position: dict[int, dict[int, list[int]]] | None = Field(
+        None, description="prompt -> output position (tokens the request had generated before the step) -> [k "
+                          "asked for, proposed, kept] seen there, when the recorder knew both (greedy decoding: "
+                          "a property of the prompt and the position)")
 
     def accepted_hist(self, k: int) -> np.ndarray:
         return np.asarray(self.joint[k], dtype=np.int64).sum(axis=0)
@@ -81,6 +85,7 @@ class AcceptanceFile(BaseModel):
 class _Counts:
     joint: dict[int, np.ndarray] = field(default_factory=dict)
     by_prompt: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)
+    by_position: dict[int, dict[int, tuple[int, int, int]]] = field(default_factory=dict)
     seen: np.ndarray | None = None  # [positions, bins]
     accepted: np.ndarray = field(default_factory=lambda: np.zeros(CONF_BINS, dtype=np.int64))
     rejected: np.ndarray = field(default_factory=lambda: np.zeros(CONF_BINS, dtype=np.int64))
@@ -88,6 +93,19 @@ class _Counts:
 
 def _bins(c) -> np.ndarray:
     return np.minimum((np.clip(np.asarray(c, dtype=float), 0.0, 1.0) * CONF_BINS).astype(np.int64), CONF_BINS - 1)
+
+
+def settled(k: int, m: int, j: int) -> bool:
+    """Whether a step that asked for ``k``, got ``m`` proposed and kept ``j`` says what any
+    ``k`` would have kept there: the proposals ran out (m < k) or one was rejected (j < m)."""
+    return m < k or j < m
+
+
+def _keep_trace(trace: dict[int, tuple[int, int, int]], pos: int, k: int, m: int, j: int) -> None:
+    """Keep the most telling step seen at ``pos``: a settled one, else the deepest k asked."""
+    old = trace.get(pos)
+    if old is None or (not settled(*old) and (settled(k, m, j) or k > old[0])):
+        trace[pos] = (k, m, j)
 
 
 def _count(joint: dict[int, np.ndarray], k: int, m: int, j: int) -> None:
@@ -114,7 +132,8 @@ class AcceptanceRecorder:
 
     def observe_step(self, step) -> None:
         """``step``: an engine ``StepStats`` (its ``requests`` carry class, drafter, k, drafted,
-        accepted and, when the drafter gives them, ``draft_confidence``)."""
+        accepted, the request's output ``position`` and, when the drafter gives them,
+        ``draft_confidence``)."""
         self.steps += 1
         for r in step.requests:
             if r.drafter == "none" or r.k <= 0:
@@ -122,16 +141,23 @@ class AcceptanceRecorder:
             self.observe(r.request_class, r.drafter, r.k, r.drafted, r.accepted,
                          getattr(r, "draft_confidence", None) or None,
                          float(getattr(r, "min_confidence", 0.0) or 0.0),
-                         prompt=None if self.prompt_of is None else self.prompt_of(r.request_id))
+                         prompt=None if self.prompt_of is None else self.prompt_of(r.request_id),
+                         position=getattr(r, "position", -1))
 
     def observe(self, request_class: str, drafter: str, k: int, drafted: int, accepted: int,
-                confidence=None, threshold: float = 0.0, prompt: int | None = None) -> None:
+                confidence=None, threshold: float = 0.0, prompt: int | None = None,
+                position: int | None = None) -> None:
+        """``position``: the request's output tokens before the step; kept per prompt
+        (``DrafterRecord.by_position``) when the drafter ran without a confidence threshold
+        (one stops the draft where another threshold would not)."""
         c = self._counts.setdefault((request_class, drafter), _Counts())
         m = min(max(drafted, 0), k)
         j = min(max(accepted, 0), m)
         _count(c.joint, k, m, j)
         if prompt is not None and prompt >= 0:
             _count(c.by_prompt.setdefault(int(prompt), {}), k, m, j)
+            if position is not None and position >= 0 and threshold <= 0:
+                _keep_trace(c.by_position.setdefault(int(prompt), {}), int(position), k, m, j)
         if confidence is not None and m > 0:
             b = _bins(list(confidence)[:m])
             if threshold <= 0:
@@ -154,8 +180,10 @@ class AcceptanceRecorder:
                 conf = ConfidenceRecord(seen=[] if c.seen is None else c.seen.tolist(), accepted=c.accepted.tolist(),
                                         rejected=c.rejected.tolist())
             by_prompt = {p: {k: h.tolist() for k, h in sorted(j.items())} for p, j in sorted(c.by_prompt.items())}
+            by_position = {p: {t: list(x) for t, x in sorted(tr.items())} for p, tr in sorted(c.by_position.items())}
             classes.setdefault(cls, {})[drafter] = DrafterRecord(
-                joint={k: h.tolist() for k, h in sorted(c.joint.items())}, confidence=conf, by_prompt=by_prompt or None)
+                joint={k: h.tolist() for k, h in sorted(c.joint.items())}, confidence=conf, by_prompt=by_prompt or None,
+                by_position=by_position or None)
         return AcceptanceFile(source=source, classes=classes)
 
 
@@ -209,11 +237,19 @@ class RecordedAcceptance:
     ``by_prompt``: the same per prompt (its index in the class's prompt pool). Given each
     request's prompt, a request whose prompt holds ``min_steps`` request-steps at the k asked
     for, or as many over k's up to it or deeper (pooled over them), is replayed from its own
-    recording, any other from the class's."""
+    recording, any other from the class's.
+    ``trace``: per prompt, per output position, the step seen there live (``k`` asked,
+    proposed, kept; ``DrafterRecord.by_position``). Given each request's prompt and position
+    too, a step the trace settles for the k asked (``replay_step``) is replayed as it went
+    live, so a request takes the steps its live run took; any other is drawn as above."""
 
     joint: dict[int, np.ndarray]
     min_steps: int = 30
     by_prompt: dict[int, "RecordedAcceptance"] = field(default_factory=dict)
+    trace: dict[int, dict[int, tuple[int, int, int]]] = field(default_factory=dict)
+    replayed: int = 0  # request-steps replayed from the trace, and drawn, so far
+    drawn: int = 0
+    full: bool = field(init=False)  # every recorded step proposed all it asked for (a draft model)
     _ask: np.ndarray = field(init=False)  # conditional acceptance per position of asking
     _there: np.ndarray = field(init=False)  # chance a candidate is proposed at p, given p - 1 were
     _keep: np.ndarray = field(init=False)  # acceptance of a proposed candidate at p, given p - 1 kept
@@ -228,18 +264,23 @@ class RecordedAcceptance:
             if h.sum() > 0:
                 joint[int(k)] = h
         self.joint = joint
+        self.full = bool(joint) and all(h[:k].sum() == 0 for k, h in joint.items())
         tried, acc = pooled_positions({k: h.sum(axis=0) for k, h in joint.items()})
         self._ask = _ratio(acc, tried)
         asked, there, tried_p, kept = pooled_proposals(joint)
         self._there, self._keep = _ratio(there, asked), _ratio(kept, tried_p)
 
     @classmethod
-    def from_record(cls, rec: DrafterRecord, min_steps: int = 30, per_prompt: bool = True) -> "RecordedAcceptance":
-        """``per_prompt``: keep the record's per-prompt counts (false: the class's alone)."""
+    def from_record(cls, rec: DrafterRecord, min_steps: int = 30, per_prompt: bool = True,
+                    per_position: bool = True) -> "RecordedAcceptance":
+        """``per_prompt``: keep the record's per-prompt counts (false: the class's alone);
+        ``per_position`` (with it): its per-position trace too."""
         per = {int(p): cls({k: np.array(v) for k, v in j.items()}, min_steps)
                for p, j in ((rec.by_prompt or {}).items() if per_prompt else ())}
+        trace = {int(p): {int(t): (int(x[0]), int(x[1]), int(x[2])) for t, x in tr.items()}
+                 for p, tr in ((rec.by_position or {}).items() if per_prompt and per_position else ())}
         return cls({k: np.array(v) for k, v in rec.joint.items()}, min_steps,
-                   {p: m for p, m in per.items() if m.steps >= min_steps})
+                   {p: m for p, m in per.items() if m.steps >= min_steps}, trace)
 
     @property
     def steps(self) -> int:
@@ -289,11 +330,26 @@ class RecordedAcceptance:
         """[n] accepted of ``k`` asked; ``prompts``: [n] each request's prompt (see the class)."""
         return self._draw(k, n, prompts, lambda m, size: (m._sample(k, size, rng),))[0]
 
-    def sample_proposed(self, k: int, n: int, rng: np.random.Generator,
-                        prompts=None) -> tuple[np.ndarray, np.ndarray]:
+    def sample_proposed(self, k: int, n: int, rng: np.random.Generator, prompts=None, positions=None,
+                        limits=None) -> tuple[np.ndarray, np.ndarray]:
         """[n] candidates proposed and [n] of them accepted, asking for ``k``; ``prompts``: [n]
-        each request's prompt (see the class)."""
-        return self._draw(k, n, prompts, lambda m, size: m._sample_proposed(k, size, rng))
+        each request's prompt, ``positions``: [n] its output tokens so far, ``limits``: [n] the
+        most candidates it may verify (its tokens left less one, as the engine clamps k); see
+        the class."""
+        proposed, accepted = self._draw(k, n, prompts, lambda m, size: m._sample_proposed(k, size, rng))
+        if not self.trace or prompts is None or positions is None:
+            self.drawn += n
+            return proposed, accepted
+        for i, (p, t) in enumerate(zip(np.asarray(prompts).tolist(), np.asarray(positions).tolist())):
+            seen = self.trace.get(p, {}).get(t)
+            got = None if seen is None else replay_step(k if limits is None else min(k, int(limits[i])), *seen,
+                                                         full=self.full)
+            if got is None:
+                self.drawn += 1
+            else:  # kept as it went; proposed as it went, or drawn within what was seen
+                proposed[i], accepted[i] = min(max(int(proposed[i]), got[0]), got[1]), got[2]
+                self.replayed += 1
+        return proposed, accepted
 
     def _sample(self, k: int, n: int, rng: np.random.Generator) -> np.ndarray:
         h = self._enough(k)
@@ -312,6 +368,22 @@ class RecordedAcceptance:
         proposed = np.cumprod(rng.random((n, k)) < there, axis=1).sum(axis=1)
         accepted = np.cumprod(rng.random((n, k)) < keep, axis=1).sum(axis=1)
         return proposed, np.minimum(accepted, proposed)
+
+
+def replay_step(k: int, k_seen: int, m: int, j: int, full: bool = False) -> tuple[int, int, int] | None:
+    """What asking for ``k`` gives where a live step asked for ``k_seen``, had ``m`` proposed
+    and kept ``j``: (fewest proposed, most proposed, kept); None where that step does not
+    settle what is kept (all ``k_seen`` kept and ``k`` asks for more). A drafter's first
+    candidates do not depend on how many are asked for (a draft model drafts them one by one,
+    n-gram lookup copies one continuation), and under greedy decoding neither does which of
+    them are kept. Past ``k_seen`` the candidates proposed are not seen, unless the drafter
+    ran out (m < k_seen) or always proposes what it is asked for (``full``: a draft model)."""
+    if m < k_seen:  # the drafter had no more to propose
+        m2 = min(k, m)
+        return m2, m2, min(j, m2)
+    if j < m:  # candidate j + 1 was rejected: any k keeps at most j
+        return (k, k, min(j, k)) if k <= k_seen or full else (k_seen, k, j)
+    return (k, k, k) if k <= k_seen else None
 
 
 def confidence_calibration(rec: DrafterRecord) -> np.ndarray | None:
@@ -336,7 +408,8 @@ def recorded_model(spec, base: Path, where: str, request_class: str | None, draf
         have = [f"{c}/{x}" for c, per in data.classes.items() for x in per]
         raise ValueError(f"{where}: {path} has no recording of class {cls!r} with drafter {d!r} (it has {have})")
     # another class's prompt indices name other prompts
-    model = RecordedAcceptance.from_record(rec, spec.min_steps, spec.per_prompt and cls == request_class)
+    model = RecordedAcceptance.from_record(rec, spec.min_steps, spec.per_prompt and cls == request_class,
+                                           spec.per_position)
     if model.steps == 0:
         raise ValueError(f"{where}: {path} holds no request-steps of class {cls!r} with drafter {d!r}")
     return model

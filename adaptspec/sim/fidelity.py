@@ -518,11 +518,11 @@ def acceptance_source(recording, request_class: str, drafter: str) -> str | None
 
 
 def truths_from_recording(recording, class_names: list[str], drafters: Iterable[str], min_steps: int = 30,
-                          per_prompt: bool = True):
+                          per_prompt: bool = True, per_position: bool = True):
     """``ClassTruth`` per class from an ``AcceptanceFile`` (``acceptance_source`` says whose;
     a drafter that never ran accepts nothing). Returns the truths and a note per fallback.
     ``per_prompt``: keep the recording's per-prompt counts (a class's own only: another
-    class's prompt indices name other prompts)."""
+    class's prompt indices name other prompts); ``per_position``: and its per-position trace."""
     from adaptspec.sim.acceptance import BernoulliAcceptance
     from adaptspec.sim.acceptance_replay import RecordedAcceptance
     from adaptspec.sim.replica import ClassTruth
@@ -537,7 +537,8 @@ def truths_from_recording(recording, class_names: list[str], drafters: Iterable[
                 acc[d] = BernoulliAcceptance(0.0)
                 notes.append(f"{name}/{d}: {d} never ran live; acceptance 0")
                 continue
-            acc[d] = RecordedAcceptance.from_record(recording.classes[src][d], min_steps, per_prompt and src == name)
+            acc[d] = RecordedAcceptance.from_record(recording.classes[src][d], min_steps, per_prompt and src == name,
+                                                    per_position)
             if src != name:
                 notes.append(f"{name}/{d}: not recorded; {src}'s {d} acceptance instead")
         truths.append(ClassTruth(name, acc))

@@ -87,6 +87,10 @@ def fidelity(
     per_prompt: bool = typer.Option(True, "--per-prompt/--no-per-prompt",
                                     help="replay each simulated request's acceptance from its prompt's own live "
                                          "counts where there are enough (no: every request from its class's)"),
+    per_position: bool = typer.Option(True, "--per-position/--no-per-position",
+                                      help="with --per-prompt: replay a simulated request's step at an output "
+                                           "position its prompt's live runs settled (greedy: the same candidates "
+                                           "kept) as it went live, and draw the rest (no: draw every step)"),
     cache_replay: bool = typer.Option(True, "--cache-replay/--no-cache-replay",
                                       help="simulate each run's prompts less the prompt tokens the prefix cache "
                                            "served its live run (no: every run less each prompt's median over all "
@@ -115,7 +119,7 @@ def fidelity(
                                        snapshots=snapshots, sim_seeds=sim_seeds if sim_seeds > 1 else None,
                                        profile=profile, probe=probe, prompt_probe=prompt_probe,
                                        cache_replay=cache_replay, per_prompt=per_prompt,
-                                       probe_tolerance=probe_tolerance, path_delay=path_delay,
+                                       per_position=per_position, probe_tolerance=probe_tolerance, path_delay=path_delay,
                                        speed_from=speed_from)
         _report(console, cells, goal_list, meta, out)
         return
@@ -136,8 +140,8 @@ def fidelity(
                            sim_seeds=sim_seeds, grpc=grpc,
                            torch_threads=torch_threads, host_gap=host_gap, snapshots=snapshots, probe=probe,
                            prompt_probe=prompt_probe, cache_replay=cache_replay, per_prompt=per_prompt,
-                           probe_tolerance=probe_tolerance, path_delay=path_delay, speed_from=speed_from,
-                           out=out)
+                           per_position=per_position, probe_tolerance=probe_tolerance, path_delay=path_delay,
+                           speed_from=speed_from, out=out)
     if not opts.classes:
         raise ValueError("--classes: at least one class")
     if profile and not Path(profile).is_file():

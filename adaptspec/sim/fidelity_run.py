@@ -74,6 +74,7 @@ class FidelityOptions:
     # simulated side's token times of that path (see path_delays)
     path_delay: bool = True
     per_prompt: bool = True  # replay acceptance per prompt where recorded (else per class)
+    per_position: bool = True  # and, with it, a step at a position its prompt's live runs settled as it went
     cache_replay: bool = True  # each simulated run prefills what the prefix cache left its live run
     drain_s: float = 120.0
     grpc: bool = False
@@ -386,6 +387,15 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
     return out
 
 
+def position_replay(truths) -> dict[str, int]:
+    """Request-steps the simulations replayed from a recorded trace, and drew (every class
+    and drafter; ``RecordedAcceptance.replayed`` / ``drawn``)."""
+    from adaptspec.sim.acceptance_replay import RecordedAcceptance
+
+    models = [m for t in truths for m in t.acceptance.values() if isinstance(m, RecordedAcceptance)]
+    return {"replayed": sum(m.replayed for m in models), "drawn": sum(m.drawn for m in models)}
+
+
 def path_delays(live: dict) -> dict:
     """{path: {(policy, level label): seconds}}: the median over a level's live requests of the
     TTFT spent outside the engine (``Row.path_s``: the client's TTFT less the engine's), for the
@@ -471,7 +481,8 @@ def scenario_yaml(opts: FidelityOptions, cfg, profile: str, recording, recording
             src = acceptance_source(recording, c, d)
             acc[d] = ({"bernoulli": 0.0} if src is None else
                       {"recorded": {"file": recording_file, **({} if src == c else {"request_class": src}),
-                                    **({} if opts.per_prompt else {"per_prompt": False})}})
+                                    **({} if opts.per_prompt else {"per_prompt": False}),
+                                    **({} if opts.per_position else {"per_position": False})}})
         cc = {"name": c, "acceptance": acc}
         tc = next((x for x in cfg.classes if x.name == c), None)
         if tc is not None and (tc.tpot_s or tc.ttft_s):
@@ -789,7 +800,8 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
 
     from adaptspec.sim.scenario import ClassSpec
 
-    truths, notes = truths_from_recording(recording, list(opts.classes), cfg.drafters, per_prompt=opts.per_prompt)
+    truths, notes = truths_from_recording(recording, list(opts.classes), cfg.drafters, per_prompt=opts.per_prompt,
+                                          per_position=opts.per_position)
     class_specs = [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes]
     used_gap = gap if opts.host_gap else {}
     if opts.speed_from == "steps":
@@ -806,12 +818,17 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
         else ({}, {})
     sim = simulate_all(cfg, opts, cost, truths, class_specs, prompt_set, host_gap=used_gap, speed=speed,
                        run_prompts=run_prompts, prompt_speed=prompt_speed)
+    replay = position_replay(truths)
+    if replay["replayed"] + replay["drawn"]:
+        notes.append(f"acceptance: {replay['replayed']} of {replay['replayed'] + replay['drawn']} simulated "
+                     f"request-steps replayed at their prompt's position as they went live, the rest drawn")
     cells = []
     delays = path_delays(live) if opts.path_delay else {}
     for path, runs in live.items():
         cells += compare(path, runs, sim, list(opts.classes), delays.get(path))
     goal_list = goals(cells)
     meta = {**meta, "notes": notes, "speed": speed_meta, "prompt_speed": prompt_meta,
+            "position_replay": replay,
             "host_gap": {p: {"a_s": a, "per_request_s": b} for p, (a, b) in used_gap.items()},
             "sim_snapshots_s": cfg.controller.report_interval_s if opts.snapshots else None,
             "path_delay_s": {p: {f"{pol} {lv}": d for (pol, lv), d in per.items()} for p, per in delays.items()},
@@ -919,7 +936,7 @@ def load_live(path: Path) -> dict:
 def resimulate(src: Path, out: Path, console, *, config: str | None = None, host_gap: bool = True,
                snapshots: bool = True, sim_seeds: int | None = None,
                profile: str | None = None, probe: bool = True, prompt_probe: bool = True,
-               cache_replay: bool = True, per_prompt: bool = True,
+               cache_replay: bool = True, per_prompt: bool = True, per_position: bool = True,
                probe_tolerance: float = 0.1, path_delay: bool = True,
                speed_from: str = "probes") -> tuple[list[Cell], list, dict]:
     """The simulated side again, against the live runs a fidelity run left in ``src``
@@ -955,7 +972,7 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
                            warmup_s=meta["warmup_s"], rounds=meta["rounds"], profile=profile or meta["profile"],
                            sim_seeds=sim_seeds or meta["sim_seeds"], host_gap=host_gap, snapshots=snapshots,
                            probe=probe, prompt_probe=prompt_probe, cache_replay=cache_replay, per_prompt=per_prompt,
-                           probe_tolerance=probe_tolerance, path_delay=path_delay, speed_from=speed_from,
+                           per_position=per_position, probe_tolerance=probe_tolerance, path_delay=path_delay, speed_from=speed_from,
                            out=Path(out))
     if profile is not None:
         meta = {**meta, "profile": str(profile), "profile_measured": meta["profile"]}

@@ -245,8 +245,10 @@ class Replica:
                 elif isinstance(model, RecordedAcceptance):
                     # what the live drafter proposed: n-gram lookup often finds fewer than k
                     # (or none), and the verification pass carries only what was proposed
-                    proposed[lo:hi], accepted[lo:hi] = model.sample_proposed(arm.k, n, self.rng,
-                                                                             self._prompts(dec[lo:hi]))
+                    rows = dec[lo:hi]
+                    proposed[lo:hi], accepted[lo:hi] = model.sample_proposed(
+                        arm.k, n, self.rng, self._prompts(rows), self.req.output_tokens[self.rid[rows]] -
+                        self.remaining[rows], np.maximum(self.remaining[rows] - 1, 0))
                     forwards[lo:hi] = arm.k
                     full = False
                 else:

@@ -74,6 +74,9 @@ class RecordedSpec(_Strict):
                                                "recording has them (``workload.prompt_set`` rows in the order of "
                                                "the live run's prompt pools, as adaptspec fidelity writes them); "
                                                "false: every request from its class's")
+    per_position: bool = Field(True, description="with per_prompt: replay a request's step at an output position "
+                                                 "its prompt's live runs settled as it went live (the recording's "
+                                                 "by_position; greedy decoding), and draw the others")
 
 
 class ConfidenceSpec(_Strict):

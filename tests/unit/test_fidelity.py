@@ -177,6 +177,143 @@ def test_recorder_keeps_counts_per_prompt_when_it_knows_each_requests_prompt():
     assert plain.to_file().classes["c"]["ngram"].by_prompt is None
 
 
+def test_recorder_keeps_the_most_telling_step_per_prompt_and_position():
+    """Per prompt and output position the recorder keeps one step: a settled one (a rejection,
+    or fewer proposed than asked) over a censored one (all kept), else the deepest k asked; a
+    step under a confidence threshold, or without a position or a prompt, is not kept there."""
+    from adaptspec.sim.acceptance_replay import settled
+
+    rec = AcceptanceRecorder(prompt_of={"a": 0, "b": 1}.get)
+    rec.observe("c", "draft", 2, 2, 2, prompt=0, position=1)  # censored at k = 2
+    rec.observe("c", "draft", 4, 4, 4, prompt=0, position=1)  # censored deeper: replaces it
+    rec.observe("c", "draft", 2, 2, 2, prompt=0, position=1)  # shallower: does not
+    rec.observe("c", "draft", 4, 4, 1, prompt=0, position=5)  # settled (kept 1 of 4)
+    rec.observe("c", "draft", 8, 8, 8, prompt=0, position=5)  # censored: never replaces a settled one
+    rec.observe("c", "draft", 4, 4, 0, prompt=1, position=1, threshold=0.3)  # a threshold stopped it
+    rec.observe("c", "draft", 4, 4, 0, prompt=1)  # no position
+    rec.observe("c", "draft", 4, 4, 0, position=2)  # no prompt
+    rec.observe_step(NS(requests=[NS(request_id="b", request_class="c", drafter="draft", k=3, drafted=3,
+                                     accepted=1, position=7)]))
+    f = AcceptanceFile.model_validate(json.loads(json.dumps(rec.to_file("t").model_dump())))
+    d = f.classes["c"]["draft"]
+    assert d.by_position == {0: {1: [4, 4, 4], 5: [4, 4, 1]}, 1: {7: [3, 3, 1]}}
+    assert np.array(d.joint[4]).sum() == 5  # every step still counts for the class
+    assert settled(4, 2, 2) and settled(4, 4, 1) and not settled(4, 4, 4)
+    plain = AcceptanceRecorder()
+    plain.observe("c", "draft", 4, 4, 1, position=3)
+    assert plain.to_file().classes["c"]["draft"].by_position is None
+
+
+def test_replay_step_settles_what_any_k_would_have_kept_there():
+    from adaptspec.sim.acceptance_replay import replay_step
+
+    assert replay_step(4, 4, 4, 2) == (4, 4, 2)  # as seen
+    assert replay_step(1, 4, 4, 2) == (1, 1, 1)  # a shallower ask keeps all it asked
+    # candidate 3 was rejected: deeper asks keep 2 too; a draft model proposes all 8, n-gram
+    # lookup 4 to 8 (not seen past 4)
+    assert replay_step(8, 4, 4, 2, full=True) == (8, 8, 2)
+    assert replay_step(8, 4, 4, 2) == (4, 8, 2)
+    assert replay_step(8, 4, 2, 2) == (2, 2, 2)  # n-gram ran out at 2: no more to propose at 8
+    assert replay_step(8, 4, 3, 1) == (3, 3, 1)
+    assert replay_step(0, 4, 4, 2) == (0, 0, 0)  # no candidates left to verify
+    assert replay_step(2, 4, 4, 4) == (2, 2, 2)  # all 4 kept: 2 of 2
+    assert replay_step(8, 4, 4, 4) is None  # all 4 kept: what the 5th would do was not seen
+
+
+def _walk(lengths, k: int, rec: AcceptanceRecorder, prompt: int, drafter: str = "ngram") -> int:
+    """A greedy live request of one prompt at static k: at output position t the drafter's
+    candidates match the target's tokens for ``lengths[t]`` tokens; returns its decode steps."""
+    t, steps = 1, 0
+    while t < len(lengths):
+        k_t = min(k, len(lengths) - t - 1)
+        j = min(int(lengths[t]), k_t)
+        rec.observe("c", drafter, k_t, k_t, j, prompt=prompt, position=t)
+        t, steps = t + j + 1, steps + 1
+    return steps
+
+
+def test_a_request_replayed_by_position_takes_the_steps_its_live_run_took_with_a_control():
+    """Two prompts walked live at k = 4 over 120 tokens (random match lengths): a simulated
+    request of either prompt at ngram:4 replays every step as it went and takes exactly the
+    live run's decode steps, whatever the seed; the rest of the class's steps are drawn (none
+    here). Control: per prompt but not per position, the steps are drawn from the prompt's
+    histogram and their count moves with the seed."""
+    rng = np.random.default_rng(3)
+    rec = AcceptanceRecorder()
+    live = [_walk(rng.integers(0, 6, size=120), 4, rec, p) for p in (0, 1)]
+    record = rec.to_file().classes["c"]["ngram"]
+
+    def decode_steps(per_position: bool, prompt: int, seed: int) -> int:
+        model = RecordedAcceptance.from_record(record, per_position=per_position)
+        seen = _replica_steps(model, output_tokens=120, n_req=1, seed=seed, prompt_idx=np.array([prompt]))[0]
+        return sum(1 for o in seen if o.num_prefill == 0), model
+
+    for prompt in (0, 1):
+        for seed in range(3):
+            n, model = decode_steps(True, prompt, seed)
+            assert n == live[prompt] and model.replayed == n and model.drawn == 0
+    drawn = {decode_steps(False, 0, seed)[0] for seed in range(6)}
+    assert len(drawn) > 1 and drawn != {live[0]}
+    assert decode_steps(False, 0, 0)[1].replayed == 0
+
+
+def test_the_engines_steps_at_a_position_are_what_a_trace_of_another_k_settles(tiny_dir, tiny_draft_dir):
+    """The assumption position replay rests on, on the real engine: a greedy request's
+    candidates and kept tokens at an output position do not depend on the k asked. Each prompt
+    runs at k = 4 (recorded by position) and again at k = 2 and k = 6; every step of those at
+    a recorded position that the trace settles is replayed exactly, for the draft model and
+    n-gram lookup. Control: a trace from another prompt's run does not match."""
+    from collections import defaultdict
+
+    from adaptspec import Engine, SamplingParams, SpecConfig
+    from adaptspec.sim.acceptance_replay import replay_step
+
+    eng = Engine.from_pretrained(str(tiny_dir), draft=str(tiny_draft_dir))
+    greedy = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [[(7 * i + 3 * s) % 16 for i in range(12)] for s in range(3)]
+
+    def steps(drafter: str, k: int) -> dict[int, list]:
+        got: list = []
+        eng.step_listeners.append(got.append)
+        try:
+            outs = eng.generate(prompts, greedy, [SpecConfig(drafter, k)] * len(prompts))
+        finally:
+            eng.step_listeners.remove(got.append)
+        index = {o.request_id: i for i, o in enumerate(outs)}
+        per = defaultdict(list)
+        for st in got:
+            for r in st.requests:
+                per[index[r.request_id]].append(r)
+        return per
+
+    for drafter in ("draft", "ngram"):
+        rec = AcceptanceRecorder()
+        for p, rows in steps(drafter, 4).items():
+            assert rows[0].position == 1  # the prompt pass sampled the first token
+            for a, b in zip(rows, rows[1:]):
+                assert b.position == a.position + a.emitted
+            for r in rows:
+                if r.k > 0:  # as observe_step: a step that asked for nothing is no sample
+                    rec.observe("c", drafter, r.k, r.drafted, r.accepted, prompt=p, position=r.position)
+        model = RecordedAcceptance.from_record(rec.to_file().classes["c"][drafter])
+        trace = model.trace
+        assert model.full == (drafter == "draft")
+        checked = mismatched = 0
+        for k in (2, 6):
+            for p, rows in steps(drafter, k).items():
+                for r in (r for r in rows if r.k > 0):
+                    seen = trace[p].get(r.position)
+                    got = None if seen is None else replay_step(r.k, *seen, full=model.full)
+                    if got is not None:
+                        assert got[0] <= r.drafted <= got[1] and got[2] == r.accepted, (drafter, k, p, r.position,
+                                                                                           seen)
+                        checked += 1
+                    other = trace[(p + 1) % len(prompts)].get(r.position)
+                    alt = None if other is None else replay_step(r.k, *other, full=model.full)
+                    mismatched += alt is not None and not (alt[0] <= r.drafted <= alt[1] and alt[2] == r.accepted)
+        assert checked >= 20 and mismatched > 0, (drafter, checked, mismatched)
+
+
 def _two_prompts(n: int = 400, min_steps: int = 30) -> RecordedAcceptance:
     """Class c's n-gram at k = 4: prompt 0 always proposes and keeps 4, prompt 1 never
     proposes, prompt 2 has too few steps of its own (min_steps) to be replayed alone."""
