@@ -513,7 +513,8 @@ class Engine:
                 # accepted = drafted tokens kept: none past an EOS or stop string that ended the request
                 rs = RequestStepStats(s.request_id, s.request_class, s.spec.drafter if r.k else "none", r.k,
                                       len(d.token_ids), min(accepted, n_emitted), n_emitted,
-                                      list(d.confidence or ()), before - s.num_prompt_tokens)
+                                      list(d.confidence or ()), before - s.num_prompt_tokens,
+                                      s.spec.min_confidence if r.k else 0.0)
                 s.stats.observe_step(rs)
                 self.totals.observe_step(rs)
                 stats.append(rs)

@@ -28,6 +28,7 @@ class RequestStepStats:
     # drafter proposes there and what the target keeps are a property of the prompt and this
     # position, which is what lets the simulator replay a request step by step
     position: int = -1
+    min_confidence: float = 0.0  # the draft-stopping threshold the request's arm drafted under
 
 
 @dataclass(slots=True)

@@ -312,6 +312,23 @@ def test_the_engines_steps_at_a_position_are_what_a_trace_of_another_k_settles(t
                     alt = None if other is None else replay_step(r.k, *other, full=model.full)
                     mismatched += alt is not None and not (alt[0] <= r.drafted <= alt[1] and alt[2] == r.accepted)
         assert checked >= 20 and mismatched > 0, (drafter, checked, mismatched)
+    # a draft-stopping threshold reaches the recorder, which keeps no trace under one, and the
+    # controller, whose outcome groups name the arm with it (control: a plain arm's say 0)
+    from adaptspec.control.types import StepOutcome
+
+    for threshold in (0.5, 0.0):
+        got = []
+        eng.step_listeners.append(got.append)
+        eng.generate(prompts[:1], greedy, [SpecConfig("draft", 4, threshold)])
+        eng.step_listeners.remove(got.append)
+        rows = [r for st in got for r in st.requests if r.k > 0]
+        assert rows and all(r.min_confidence == threshold for r in rows)
+        arms = {g.arm for st in got for g in StepOutcome.from_step_stats(st).groups if g.arm.k}
+        assert arms and all(a.min_confidence == threshold for a in arms)
+        rec = AcceptanceRecorder(prompt_of=lambda _: 0)
+        for st in got:
+            rec.observe_step(st)
+        assert (rec.to_file().classes[rows[0].request_class]["draft"].by_position is None) == (threshold > 0)
 
 
 def _two_prompts(n: int = 400, min_steps: int = 30) -> RecordedAcceptance:
