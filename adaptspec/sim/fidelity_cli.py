@@ -119,8 +119,8 @@ def fidelity(
                                        snapshots=snapshots, sim_seeds=sim_seeds if sim_seeds > 1 else None,
                                        profile=profile, probe=probe, prompt_probe=prompt_probe,
                                        cache_replay=cache_replay, per_prompt=per_prompt,
-                                       per_position=per_position, probe_tolerance=probe_tolerance, path_delay=path_delay,
-                                       speed_from=speed_from)
+                                       per_position=per_position, probe_tolerance=probe_tolerance,
+                                       path_delay=path_delay, speed_from=speed_from)
         _report(console, cells, goal_list, meta, out)
         return
     levels = load_levels(concurrency, "", think_time=think_time, think=think, seed=arrival_seed) if concurrency else []

@@ -972,8 +972,8 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
                            warmup_s=meta["warmup_s"], rounds=meta["rounds"], profile=profile or meta["profile"],
                            sim_seeds=sim_seeds or meta["sim_seeds"], host_gap=host_gap, snapshots=snapshots,
                            probe=probe, prompt_probe=prompt_probe, cache_replay=cache_replay, per_prompt=per_prompt,
-                           per_position=per_position, probe_tolerance=probe_tolerance, path_delay=path_delay, speed_from=speed_from,
-                           out=Path(out))
+                           per_position=per_position, probe_tolerance=probe_tolerance, path_delay=path_delay,
+                           speed_from=speed_from, out=Path(out))
     if profile is not None:
         meta = {**meta, "profile": str(profile), "profile_measured": meta["profile"]}
     profile = Path(meta["profile"])

@@ -227,7 +227,8 @@ def _walk(lengths, k: int, rec: AcceptanceRecorder, prompt: int, drafter: str = 
     while t < len(lengths):
         k_t = min(k, len(lengths) - t - 1)
         j = min(int(lengths[t]), k_t)
-        rec.observe("c", drafter, k_t, k_t, j, prompt=prompt, position=t)
+        if k_t > 0:  # as the engine's stats: a step that asked for nothing is no sample
+            rec.observe("c", drafter, k_t, k_t, j, prompt=prompt, position=t)
         t, steps = t + j + 1, steps + 1
     return steps
 
@@ -243,7 +244,7 @@ def test_a_request_replayed_by_position_takes_the_steps_its_live_run_took_with_a
     live = [_walk(rng.integers(0, 6, size=120), 4, rec, p) for p in (0, 1)]
     record = rec.to_file().classes["c"]["ngram"]
 
-    def decode_steps(per_position: bool, prompt: int, seed: int) -> int:
+    def decode_steps(per_position: bool, prompt: int, seed: int) -> tuple[int, RecordedAcceptance]:
         model = RecordedAcceptance.from_record(record, per_position=per_position)
         seen = _replica_steps(model, output_tokens=120, n_req=1, seed=seed, prompt_idx=np.array([prompt]))[0]
         return sum(1 for o in seen if o.num_prefill == 0), model
