@@ -273,13 +273,17 @@ def test_the_engines_steps_at_a_position_are_what_a_trace_of_another_k_settles(t
     greedy = SamplingParams(max_new_tokens=40, temperature=0.0, ignore_eos=True)
     prompts = [[(7 * i + 3 * s) % 16 for i in range(12)] for s in range(3)]
 
-    def steps(drafter: str, k: int) -> dict[int, list]:
+    def run(spec, prompts=prompts) -> tuple[list, list]:
+        """The engine's outputs and step stats of ``prompts`` under ``spec``."""
         got: list = []
         eng.step_listeners.append(got.append)
         try:
-            outs = eng.generate(prompts, greedy, [SpecConfig(drafter, k)] * len(prompts))
+            return eng.generate(prompts, greedy, [spec] * len(prompts)), got
         finally:
             eng.step_listeners.remove(got.append)
+
+    def steps(drafter: str, k: int) -> dict[int, list]:
+        outs, got = run(SpecConfig(drafter, k))
         index = {o.request_id: i for i, o in enumerate(outs)}
         per = defaultdict(list)
         for st in got:
@@ -318,10 +322,7 @@ def test_the_engines_steps_at_a_position_are_what_a_trace_of_another_k_settles(t
     from adaptspec.control.types import StepOutcome
 
     for threshold in (0.5, 0.0):
-        got = []
-        eng.step_listeners.append(got.append)
-        eng.generate(prompts[:1], greedy, [SpecConfig("draft", 4, threshold)])
-        eng.step_listeners.remove(got.append)
+        got = run(SpecConfig("draft", 4, threshold), prompts[:1])[1]
         rows = [r for st in got for r in st.requests if r.k > 0]
         assert rows and all(r.min_confidence == threshold for r in rows)
         arms = {g.arm for st in got for g in StepOutcome.from_step_stats(st).groups if g.arm.k}
