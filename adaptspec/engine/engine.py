@@ -588,7 +588,8 @@ class Engine:
         st = StepStats(self.step_count, sum(1 for r in rows if r.decode),
                        sum(1 for r in rows if not r.decode), prefill_tokens, verify_tokens,
                        sum(r.seq.num_computed for r in rows), len(self.scheduler.waiting),
-                       0.0, t1 - t0, t2 - t1, t3 - t2, t3 - t0, req_stats)
+                       0.0, t1 - t0, t2 - t1, t3 - t2, t3 - t0, req_stats, t3,
+                       len(self.scheduler.waiting) + len(self.scheduler.running))
         self.step_count += 1
         if self._timer is None:  # the CPU: host clocks, published now
             self._publish(st, None)

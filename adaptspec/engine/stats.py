@@ -50,6 +50,10 @@ class StepStats:
     other_s: float
     wall_s: float
     requests: list[RequestStepStats] = field(default_factory=list)
+    # perf_counter at the step's end (the host's): CLOCK_MONOTONIC on Linux, one clock for every
+    # process of the host, so an engine process's steps line up with a client's request times
+    end_s: float = 0.0
+    unfinished: int = 0  # requests running or waiting once the step is done (0: the engine went idle)
 
     @property
     def emitted(self) -> int:

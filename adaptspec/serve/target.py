@@ -11,6 +11,7 @@ snapshot in place (requests never wait on it).
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import sys
 import time
@@ -24,6 +25,8 @@ from adaptspec.serve.loop import slo_admission
 from adaptspec.serve.types import EngineRequest, ReplicaReport
 
 log = logging.getLogger(__name__)
+
+STEP_LOG_MAX = 200_000  # steps a replica's step log keeps (about 100 MB at most)
 
 
 @serve.deployment(name="TargetEngine", max_ongoing_requests=1024, health_check_period_s=5)
@@ -47,6 +50,7 @@ class TargetEngine(Ingress):
             self.controller = controller
             self.metrics = ServiceMetrics(cfg)
             self._faults_reported = 0
+            self._step_log: collections.deque | None = None  # off until a client asks (start_step_log)
             self._report_task = asyncio.get_running_loop().create_task(self._report_forever())
         except BaseException:
             self.loop.stop()  # no engine (process) left behind by a replica that failed to start
@@ -83,8 +87,25 @@ class TargetEngine(Ingress):
         if not self.loop.alive:
             raise RuntimeError("the replica's engine died (see its log)")
 
+    # ---- a step log for `adaptspec fidelity --grpc` (not on the gRPC API: a Serve handle call) ----
+    async def start_step_log(self, max_steps: int = STEP_LOG_MAX) -> None:
+        """Keep every engine step's ``sim.step_shapes.record`` from now on (the newest
+        ``max_steps``), for ``take_step_log``: the fidelity check prices a live run's own steps."""
+        self._step_log = collections.deque(maxlen=max_steps)
+
+    async def take_step_log(self) -> list:
+        """The steps logged since the last call, oldest first, once every step that ended before
+        this call has passed the report task (which hands them on)."""
+        if self._step_log is None:
+            raise RuntimeError("no step log: call start_step_log first")
+        await asyncio.sleep(self.config.controller.report_interval_s + 0.25)
+        out = list(self._step_log)
+        self._step_log.clear()
+        return out
+
     async def _report_forever(self) -> None:
         from adaptspec.serve.loop import class_deltas
+        from adaptspec.sim.step_shapes import record
 
         interval = self.config.controller.report_interval_s
         last = time.monotonic()
@@ -93,6 +114,8 @@ class TargetEngine(Ingress):
             steps = self.loop.take_step_stats()
             finished = self.loop.take_finished()
             now = time.monotonic()
+            if self._step_log is not None:
+                self._step_log.extend(record(st) for st in steps)
             try:
                 self._record_metrics(steps, finished)
                 if self.controller is None:

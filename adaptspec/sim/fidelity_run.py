@@ -25,7 +25,6 @@ import json
 import math
 import os
 import platform
-import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -215,14 +214,17 @@ def calibrate_for(cfg, out: Path, opts: FidelityOptions) -> Path:
 
 
 class StepLog:
-    """An engine step listener (the first, so its clock reads the step's end): per step,
-    (perf_counter at the step's end, its wall seconds); and the host's gaps between steps
-    while the engine had work left, as (requests in the step before, seconds from its end to
-    the next step's start): the serving loop, the other listeners, the controller's reports
-    and tokenizing new requests, none of it inside the engine's timers."""
+    """Engine steps for the fidelity comparison: per step, (perf_counter at the step's end, its
+    wall seconds) and its shape; and the host's gaps between steps while the engine had work
+    left, as (requests in the step before, seconds from its end to the next step's start): the
+    serving loop, the other listeners, the controller's reports and tokenizing new requests,
+    none of it inside the engine's timers.
 
-    def __init__(self, engine=None) -> None:
-        self.engine = engine
+    Called as an engine step listener (the in-process path), or fed ``record``s that a
+    service replica logged (``extend``: the gRPC path, whose engine runs in another process of
+    the same host; ``StepStats.end_s`` is on the one host-wide clock)."""
+
+    def __init__(self) -> None:
         self.steps: list[tuple[float, float]] = []
         self._rows: list[int] = []
         self._busy: list[bool] = []
@@ -230,11 +232,14 @@ class StepLog:
         self.shapes: list[list] = []  # every step's shape (``sim.step_shapes``)
 
     def __call__(self, st) -> None:
-        now = time.perf_counter()
-        self.steps.append((now, st.wall_s))
-        self.shapes.append(step_shapes.from_step(st, now))
-        self._rows.append(int(st.batch_size) + int(st.num_prefill))
-        self._busy.append(True if self.engine is None else bool(self.engine.has_unfinished()))
+        self.extend([step_shapes.record(st)])
+
+    def extend(self, records) -> None:
+        for end, wall, rows, busy, shape in records:
+            self.steps.append((end, wall))
+            self.shapes.append(shape)
+            self._rows.append(rows)
+            self._busy.append(busy)
 
     def inside(self, w0: float, w1: float) -> tuple[int, float, float]:
         """``step_time`` of the logged steps over [w0, w1]."""
@@ -286,19 +291,37 @@ def _live_levels(opts: FidelityOptions, spec, console, *, current, switch, run_o
     return runs, summaries
 
 
-def _grpc_levels(cfg, opts: FidelityOptions, spec, console) -> tuple[dict, list]:
+def _grpc_levels(cfg, opts: FidelityOptions, spec, console) -> tuple[dict, list, StepLog]:
+    """Every (level, policy) run through Ray Serve and gRPC; the replica logs its engine's steps
+    (``TargetEngine.start_step_log``), fetched after each run by a Serve handle, so this path's
+    runs carry their own step shapes, speed and host gaps as the in-process ones do."""
+    from ray import serve
+
     from adaptspec.serve import app as serve_app
     from adaptspec.serve.cli import start_embedded
     from adaptspec.serve.client import Client
     from adaptspec.serve.loadtest import run_level
 
+    if cfg.target.autoscaling is not None or cfg.target.num_replicas != 1:
+        raise ValueError("fidelity --grpc: target.num_replicas must be 1 and target.autoscaling null (the "
+                         "simulated side is one engine)")
     address = start_embedded(cfg, console)
+    step_log = StepLog()
     try:
+        replica = serve.get_app_handle(cfg.app_name)
         with Client(address, cfg.app_name) as c:
             c.wait_ready(60)
-            return _live_levels(opts, spec, console, current=lambda: c.policy().policy,
-                                switch=lambda p, reset: c.update_policy(p, reset=reset),
-                                run_one=lambda n: run_level(c, n, opts.duration_s, spec, warmup_s=opts.warmup_s))
+            replica.start_step_log.remote().result()
+
+            def run_one(n):
+                got = run_level(c, n, opts.duration_s, spec, warmup_s=opts.warmup_s)
+                step_log.extend(replica.take_step_log.remote().result())
+                return got
+
+            runs, summaries = _live_levels(opts, spec, console, current=lambda: c.policy().policy,
+                                           switch=lambda p, reset: c.update_policy(p, reset=reset),
+                                           run_one=run_one, step_log=step_log)
+            return runs, summaries, step_log
     finally:
         serve_app.stop()
 
@@ -553,7 +576,7 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     spec = LoadSpec(list(opts.classes), opts.max_tokens)
     with console.status("loading the models"):
         svc = InProcessService(cfg, torch_threads=opts.torch_threads)
-    recorder, step_log = AcceptanceRecorder(prompt_of=svc.prompt_of.get), StepLog(svc.engine)
+    recorder, step_log = AcceptanceRecorder(prompt_of=svc.prompt_of.get), StepLog()
     svc.engine.step_listeners.insert(0, step_log)
     svc.engine.step_listeners.append(recorder.observe_step)
     probe = None
@@ -591,9 +614,12 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     gap = host_gaps(step_log.gaps)
     # the live controller's own step-time predictions against the engine's (a model-based policy)
     cost_check = {p: c.table() for p, c in svc.cost_checks.items() if c.rows}
+    gap_by_path = {"in-process": gap}
     if opts.grpc:
         del svc  # the service's replica gets the CPU to itself
-        live["grpc"] = _grpc_levels(cfg, opts, spec, console)
+        grpc_runs, grpc_summaries, grpc_log = _grpc_levels(cfg, opts, spec, console)
+        live["grpc"] = (grpc_runs, grpc_summaries)
+        gap_by_path["grpc"] = host_gaps(grpc_log.gaps)
     save_live(out / "live_runs.json", {p: runs for p, (runs, _) in live.items()}, cost.profile)
     meta = {
         "date": started.isoformat(timespec="seconds"), "machine": machine(), "code": code_version(),
@@ -608,10 +634,13 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
                                                              "max_batched_tokens")},
         "host_gap_measured": {p: {"a_s": a, "per_request_s": b, "gaps": n, "mean_s": mean}
                               for p, (a, b, n, mean) in gap.items()},
+        # per path (the gRPC path's engine loop is another process's)
+        "host_gap_by_path": {path: {p: {"a_s": a, "per_request_s": b, "gaps": n, "mean_s": mean}
+                                    for p, (a, b, n, mean) in g.items()} for path, g in gap_by_path.items()},
         "live_summaries": {p: [asdict(s) for s in summ] for p, (_, summ) in live.items()},
     }
     runs = {p: r for p, (r, _) in live.items()}
-    gaps = {p: (a, b) for p, (a, b, _, _) in gap.items()}
+    gaps = {path: {p: (a, b) for p, (a, b, _, _) in g.items()} for path, g in gap_by_path.items()}
     return simulate_and_report(cfg, opts, out, runs, recording, prompt_set, cost, gaps, meta, console, ps_rows)
 
 
@@ -794,8 +823,14 @@ def step_factors(live: dict, cost) -> tuple[dict, dict, dict, dict, list[str]]:
 def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recording, prompt_set, cost,
                         gap: dict, meta: dict, console, ps_rows=None) -> tuple[list[Cell], list, dict]:
     """The simulated side of every (level, policy) and the comparison: ``fidelity.json``,
-    ``scenario.yaml``; ``live``: {path: {(policy, level label): [Run]}}; ``ps_rows``: the
-    prompt set's CSV rows, for ``cache_replay`` (with ``opts.cache_replay``)."""
+    ``scenario.yaml``; ``live``: {path: {(policy, level label): [Run]}}; ``gap``: {path:
+    ``host_gaps``' (a, b) per policy} (a path without its own: the first path's); ``ps_rows``:
+    the prompt set's CSV rows, for ``cache_replay`` (with ``opts.cache_replay``).
+
+    Every path whose runs logged their engine steps is simulated on its own: its runs' speed
+    (the gRPC path's replica is another process, whose speed and host loop are its own), its
+    host gaps and the prefix-cache hits its requests had; a path without them is compared with
+    the first path's simulated runs."""
     import yaml
 
     from adaptspec.sim.scenario import ClassSpec
@@ -803,21 +838,35 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     truths, notes = truths_from_recording(recording, list(opts.classes), cfg.drafters, per_prompt=opts.per_prompt,
                                           per_position=opts.per_position)
     class_specs = [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes]
-    used_gap = gap if opts.host_gap else {}
-    if opts.speed_from == "steps":
-        speed, prompt_speed, speed_meta, prompt_meta, speed_notes = step_factors(live, cost)
-    else:
-        probes = opts.probe and opts.speed_from == "probes"
-        speed, speed_meta, speed_notes = speed_factors(live, cost.profile, probes, opts.probe_tolerance)
-        prompt_speed, prompt_meta = prompt_factors(live, cost.profile, probes and opts.prompt_probe,
-                                                   opts.probe_tolerance)
-        if opts.speed_from == "none":
-            speed_notes = ["--speed-from none: every run simulated at the calibration's speed (factor 1)"]
-    notes = [*notes, *speed_notes]
-    run_prompts, served = cache_replay(ps_rows, live, list(opts.classes)) if opts.cache_replay and ps_rows \
-        else ({}, {})
-    sim = simulate_all(cfg, opts, cost, truths, class_specs, prompt_set, host_gap=used_gap, speed=speed,
-                       run_prompts=run_prompts, prompt_speed=prompt_speed)
+    paths = list(live)
+    sims, speeds, path_meta = {}, {}, {}
+    for path in paths:
+        own = {path: live[path]}
+        if path != paths[0] and not any(r.shapes for rs in own[path].values() for r in rs):
+            # no step log of its own (a file from before the replicas logged theirs): the first
+            # path's simulated runs, as they were then
+            sims[path], speeds[path] = sims[paths[0]], speeds[paths[0]]
+            path_meta[path] = {"simulated_as": paths[0]}
+            continue
+        used_gap = (gap.get(path) or gap.get(paths[0]) or {}) if opts.host_gap else {}
+        speed, prompt_speed, speed_meta, prompt_meta, speed_notes = _path_speed(opts, own, cost)
+        if path == paths[0]:
+            notes += speed_notes
+        run_prompts, served = cache_replay(ps_rows, own, list(opts.classes)) if opts.cache_replay and ps_rows \
+            else ({}, {})
+        sims[path] = simulate_all(cfg, opts, cost, truths, class_specs, prompt_set, host_gap=used_gap, speed=speed,
+                                  run_prompts=run_prompts, prompt_speed=prompt_speed)
+        speeds[path] = (speed, prompt_speed)
+        path_meta[path] = {
+            "simulated_as": path, "speed": speed_meta, "prompt_speed": prompt_meta,
+            "host_gap": {p: {"a_s": a, "per_request_s": b} for p, (a, b) in used_gap.items()},
+            "cache_replay": {f"{p} {lv}": [None if math.isnan(x) else round(x, 2) for x in v]
+                             for (p, lv), v in served.items()} if served else None}
+    if len(paths) > 1:
+        own = [p for p in paths[1:] if path_meta[p]["simulated_as"] == p]
+        notes.append(f"{', '.join(own)}: simulated on its own runs' speed, host gaps and prefix-cache hits"
+                     if own else f"{', '.join(paths[1:])}: compared with the {paths[0]} path's simulated runs "
+                     "(no engine steps on file for it)")
     replay = position_replay(truths)
     if replay["replayed"] + replay["drawn"]:
         notes.append(f"acceptance: {replay['replayed']} of {replay['replayed'] + replay['drawn']} simulated "
@@ -825,17 +874,19 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     cells = []
     delays = path_delays(live) if opts.path_delay else {}
     for path, runs in live.items():
-        cells += compare(path, runs, sim, list(opts.classes), delays.get(path))
+        cells += compare(path, runs, sims[path], list(opts.classes), delays.get(path))
     goal_list = goals(cells)
-    meta = {**meta, "notes": notes, "speed": speed_meta, "prompt_speed": prompt_meta,
-            "position_replay": replay,
-            "host_gap": {p: {"a_s": a, "per_request_s": b} for p, (a, b) in used_gap.items()},
+    first = path_meta[paths[0]]
+    meta = {**meta, "notes": notes, "speed": first["speed"], "prompt_speed": first["prompt_speed"],
+            "position_replay": replay, "host_gap": first["host_gap"],
             "sim_snapshots_s": cfg.controller.report_interval_s if opts.snapshots else None,
             "path_delay_s": {p: {f"{pol} {lv}": d for (pol, lv), d in per.items()} for p, per in delays.items()},
-            "cache_replay": {f"{p} {lv}": [None if math.isnan(x) else round(x, 2) for x in v]
-                             for (p, lv), v in served.items()} if served else None}
+            "cache_replay": first["cache_replay"], "paths": path_meta}
     (out / "fidelity.json").write_text(to_json(cells, goal_list, meta))
-    tables = shape_tables(live, sim, cost, speed, prompt_speed)
+    tables = {}
+    for path in paths:
+        if path_meta[path]["simulated_as"] == path:
+            tables.update(shape_tables({path: live[path]}, sims[path], cost, *speeds[path]))
     if tables:
         (out / "step_shapes.md").write_text(step_shapes.markdown(tables))
         (out / "step_shapes.json").write_text(json.dumps(
@@ -847,10 +898,21 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     return cells, goal_list, meta
 
 
+def _path_speed(opts: FidelityOptions, live: dict, cost) -> tuple[dict, dict, dict, dict, list[str]]:
+    """(speed, prompt speed, their metas, notes) of ``live``'s runs as ``opts.speed_from`` reads them."""
+    if opts.speed_from == "steps":
+        return step_factors(live, cost)
+    probes = opts.probe and opts.speed_from == "probes"
+    speed, speed_meta, speed_notes = speed_factors(live, cost.profile, probes, opts.probe_tolerance)
+    prompt_speed, prompt_meta = prompt_factors(live, cost.profile, probes and opts.prompt_probe, opts.probe_tolerance)
+    if opts.speed_from == "none":
+        speed_notes = ["--speed-from none: every run simulated at the calibration's speed (factor 1)"]
+    return speed, prompt_speed, speed_meta, prompt_meta, speed_notes
+
+
 def shape_tables(live: dict, sim: dict, cost, speed: dict, prompt_speed: dict) -> dict:
     """{(path, policy, level label): ``step_shapes.table``} for every live level whose engine
-    steps were logged (the in-process path: the gRPC path's engine runs in another process);
-    live round r's steps are priced on the cost its simulated round ran on."""
+    steps were logged; live round r's steps are priced on the cost its simulated round ran on."""
     from adaptspec.control.costs import ProfileCostModel
 
     out = {}
@@ -987,12 +1049,14 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
     with open(src / "prompt_set.csv", newline="") as f:
         ps_rows = [(r["request_class"], int(r["num_prefill_tokens"]), int(r["num_decode_tokens"]),
                     int(r.get("num_cached_tokens") or 0)) for r in csv.DictReader(f)]
-    gap_meta = meta.get("host_gap_measured") or {}
-    if "a_s" in gap_meta:  # one line for every policy (the first runs of this command)
-        gap_meta = {"*": gap_meta}
-    gap = {p: (float(g.get("a_s", 0.0)), float(g.get("per_request_s", 0.0))) for p, g in gap_meta.items()}
     Path(out).mkdir(parents=True, exist_ok=True)
     live = load_live(src / "live_runs.json")
+    by_path = meta.get("host_gap_by_path") or {next(iter(live)): meta.get("host_gap_measured") or {}}
+    gap = {}
+    for path, gap_meta in by_path.items():
+        if "a_s" in gap_meta:  # one line for every policy (the first runs of this command)
+            gap_meta = {"*": gap_meta}
+        gap[path] = {p: (float(g.get("a_s", 0.0)), float(g.get("per_request_s", 0.0))) for p, g in gap_meta.items()}
     meta = {**meta, "resimulated": {"from": str(src), "date": _dt.datetime.now().astimezone().isoformat(
         timespec="seconds"), "code": code_version()}}
     return simulate_and_report(cfg, opts, Path(out), live, recording, prompt_set, cost, gap, meta, console, ps_rows)

@@ -12,6 +12,7 @@ A shape is one list (``FIELDS``, then the draft batch per position)."""
 from __future__ import annotations
 
 import math
+import time
 
 import numpy as np
 
@@ -32,6 +33,14 @@ def from_step(st, end_s: float) -> list:
     context = int(st.context_tokens)
     return [end_s, int(st.batch_size), int(st.prefill_tokens), int(st.verify_tokens), context, ngram,
             float(st.draft_s), float(st.prefill_s + st.verify_s), float(st.other_s), *draft_batch(forwards)]
+
+
+def record(st) -> tuple:
+    """What a fidelity run keeps of a live engine step (``StepStats``): (its end on the host's
+    perf_counter, its wall seconds, rows in it, whether the engine had work left after it, its
+    shape). Picklable and a few dozen numbers, so a service replica can log it for a client."""
+    end = st.end_s or time.perf_counter()
+    return end, float(st.wall_s), int(st.batch_size) + int(st.num_prefill), st.unfinished > 0, from_step(st, end)
 
 
 def draft_batch(forwards) -> list[int]:

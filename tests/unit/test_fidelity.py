@@ -720,6 +720,33 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
     assert bad.exit_code != 0 and "--speed-from" in bad.output
 
 
+def test_step_log_from_records_counts_gaps_only_while_the_engine_had_work():
+    """A replica's logged steps (``step_shapes.record``) make the same log as a listener's: a
+    gap after a step that left the engine idle is the client's think time, not the host's."""
+    from types import SimpleNamespace
+
+    from adaptspec.sim import step_shapes
+    from adaptspec.sim.fidelity_run import StepLog
+
+    def st(end, wall, unfinished):
+        return SimpleNamespace(end_s=end, wall_s=wall, batch_size=2, num_prefill=1, unfinished=unfinished,
+                               requests=[], context_tokens=10, prefill_tokens=4, verify_tokens=2, draft_s=0.0,
+                               prefill_s=0.001, verify_s=wall - 0.002, other_s=0.001)
+
+    steps = [st(1.0, 0.1, 3), st(1.15, 0.1, 0), st(2.0, 0.1, 1), st(2.2, 0.1, 1)]
+    fed, called = StepLog(), StepLog()
+    fed.extend(step_shapes.record(s) for s in steps)
+    for s in steps:
+        called(s)
+    for log in (fed, called):
+        assert log.steps == [(1.0, 0.1), (1.15, 0.1), (2.0, 0.1), (2.2, 0.1)]
+        assert [sh[0] for sh in log.shapes_inside(1.1, 2.1)] == [1.15, 2.0]
+        log.clear("p")
+        # 1.15 - 0.1 - 1.0 after a busy step; none after the idle one at 1.15; 2.2 - 0.1 - 2.0
+        assert log.gaps["p"] == [(3, pytest.approx(0.05)), (3, pytest.approx(0.1))]
+        assert log.steps == [] and log.shapes == []
+
+
 def test_host_gap_fit_and_its_fallbacks():
     from adaptspec.sim.fidelity import fit_host_gap
 
