@@ -56,7 +56,8 @@ def fidelity(
                                                                "the token table alone)"),
     sim_seeds: int = typer.Option(1, help="simulated runs per level and policy (pooled)"),
     grpc: bool = typer.Option(False, "--grpc", help="also run the levels through Ray Serve and gRPC (starts the "
-                                                    "service of --config)"),
+                                                    "service of --config, one replica, which logs its engine's "
+                                                    "steps for this run; the path is simulated on its own)"),
     torch_threads: Optional[int] = typer.Option(None, help="torch threads (default: the replica's)"),
     host_gap: bool = typer.Option(True, "--host-gap/--no-host-gap",
                                   help="simulate the host's time between engine steps as measured live"),
