@@ -19,6 +19,7 @@ in the replica, next to the engine, while the load or the overhead is measured.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -247,12 +248,18 @@ def run_level(client: Client, concurrency: "int | Arrivals", duration_s: float, 
     if arr.open:
         return _run_open(offsets, send, t0), window
 
+    # one stream of prompts for every client, the next one to whoever sends next (as the
+    # in-process load test and the simulator's closed loop take them): with a fixed share of the
+    # stream per client (every N-th request), a client whose prompts run fast sent them more
+    # often, and a level's prompt mix followed the prompts' speeds
+    sent = itertools.count()
+
     def worker(w: int) -> None:
-        i = w
         rng = np.random.default_rng([arr.seed, 2, w])
         while time.perf_counter() < window.end_s:
+            with lock:
+                i = next(sent)
             rec = send(i)
-            i += arr.clients
             if rec.error == "StatusCode.RESOURCE_EXHAUSTED":
                 time.sleep(0.05)
             pause = arr.pause(rng)

@@ -843,14 +843,18 @@ class _FakeStream:
 
 
 class _FakeClient:
-    def __init__(self):
+    def __init__(self, slow: str | None = None):
         self.sent = []
+        self.slow = slow  # a prompt whose request takes ten times as long
 
     def stream(self, prompt, **kw):
         import time as _t
 
         self.sent.append((_t.perf_counter(), kw["request_class"], prompt))
-        return _FakeStream()
+        stream = _FakeStream()
+        if prompt == self.slow:
+            stream._t = NS(sleep=lambda s: _t.sleep(10 * s))
+        return stream
 
 
 def test_grpc_load_generator_sends_open_loop_arrivals_on_time_and_clients_think():
@@ -877,6 +881,17 @@ def test_grpc_load_generator_sends_open_loop_arrivals_on_time_and_clients_think(
     recs, _ = run_level(client, Arrivals(clients=2, think_s=0.2), 0.5, spec)
     # each client: a 40 ms request, then 0.2 s of thinking: at most 3 requests each in 0.5 s
     assert 2 <= len(client.sent) <= 6
+    # a closed loop's clients take the next prompt of one stream, as the in-process load test
+    # and the simulator do: what was sent is the stream's first requests, however slow some
+    # prompts run (the control: a client holding every 4th request of the stream would have
+    # sent the slow prompt's share of it far less often than the others')
+    slow = prompts["chat"][0]
+    client = _FakeClient(slow=slow)
+    recs, _ = run_level(client, 4, 0.6, spec)
+    sent = [(c, p) for _, c, p in sorted(client.sent)]
+    stream = [pick_prompt(prompts, spec.classes, i) for i in range(len(sent))]
+    assert sorted(sent) == sorted((c, p) for c, _, p in stream)
+    assert len(sent) > 20 and 2 <= sent.count(("chat", slow)) <= len(sent) / 8
 
 
 # ---- speed probes on the simulated side -------------------------------------------------------------
