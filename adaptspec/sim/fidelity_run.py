@@ -974,11 +974,14 @@ def save_live(path: Path, live: dict, profile=None) -> None:
 
 
 def load_live(path: Path) -> dict:
-    """``save_live``'s file; versions 1 (no speed probes), 2 (no path delays) and 3 (no step
-    shapes) too."""
+    """``save_live``'s file (or gzipped, ``.gz``: how the results folders keep the large ones);
+    versions 1 (no speed probes), 2 (no path delays) and 3 (no step shapes) too."""
+    import gzip
+
     from adaptspec.sim.speed_probe import probe_from_json
 
-    data = json.loads(Path(path).read_text())
+    path = Path(path)
+    data = json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
     nan = math.nan
     out: dict = {}
     for p, runs in data["live"].items():
@@ -1002,7 +1005,7 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
                probe_tolerance: float = 0.1, path_delay: bool = True,
                speed_from: str = "probes") -> tuple[list[Cell], list, dict]:
     """The simulated side again, against the live runs a fidelity run left in ``src``
-    (``live_runs.json``, ``acceptance.json``, ``prompt_set.csv``, its profile): for a changed
+    (``live_runs.json`` or ``.json.gz``, ``acceptance.json``, ``prompt_set.csv``, its profile): for a changed
     simulator, without the live runs (and the quiet machine) they took. ``profile``: another
     step-cost profile (e.g. refitted from the run's calibration steps) than the run's.
     ``probe``: simulate each run at the speed its probes on file say, against the profile's
@@ -1018,7 +1021,9 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
     from adaptspec.sim.scenario import ClassSpec, PromptSetSpec
 
     src = Path(src)
-    need = [src / n for n in ("fidelity.json", "live_runs.json", "acceptance.json", "prompt_set.csv")]
+    live_file = next((p for p in (src / "live_runs.json", src / "live_runs.json.gz") if p.is_file()),
+                     src / "live_runs.json")
+    need = [src / "fidelity.json", live_file, src / "acceptance.json", src / "prompt_set.csv"]
     missing = [str(p) for p in need if not p.is_file()]
     if missing:
         raise ValueError(f"--resimulate: {src} lacks {missing} (a folder an `adaptspec fidelity` run wrote)")
@@ -1050,7 +1055,7 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
         ps_rows = [(r["request_class"], int(r["num_prefill_tokens"]), int(r["num_decode_tokens"]),
                     int(r.get("num_cached_tokens") or 0)) for r in csv.DictReader(f)]
     Path(out).mkdir(parents=True, exist_ok=True)
-    live = load_live(src / "live_runs.json")
+    live = load_live(live_file)
     by_path = meta.get("host_gap_by_path") or {next(iter(live)): meta.get("host_gap_measured") or {}}
     gap = {}
     for path, gap_meta in by_path.items():

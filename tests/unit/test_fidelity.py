@@ -660,6 +660,21 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
         assert c["live"] == before[key(c)]
     bad = CliRunner().invoke(app, ["fidelity", "--resimulate", str(tmp_path), "--out", str(tmp_path / "x")])
     assert bad.exit_code != 0 and "--resimulate" in bad.output
+    # a results folder keeps its live runs gzipped: the same live side from the .gz
+    import gzip
+    import shutil
+
+    packed = tmp_path / "packed"
+    shutil.copytree(out, packed)
+    live_file = packed / "live_runs.json"
+    (packed / "live_runs.json.gz").write_bytes(gzip.compress(live_file.read_bytes()))
+    live_file.unlink()
+    res = CliRunner().invoke(app, ["fidelity", "--config", str(cfg), "--resimulate", str(packed), "--out",
+                                   str(tmp_path / "unpacked"), "--no-host-gap", "--no-cache-replay",
+                                   "--probe-tolerance", "inf"])
+    assert res.exit_code == 0, res.output
+    for c in json.loads((tmp_path / "unpacked" / "fidelity.json").read_text())["cells"]:
+        assert c["live"] == before[key(c)]
     bad = CliRunner().invoke(app, ["fidelity", "--resimulate", str(out), "--out", str(tmp_path / "x"),
                                    "--probe-tolerance", "-0.1"])
     assert bad.exit_code != 0 and "--probe-tolerance" in bad.output
