@@ -632,16 +632,19 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
         "acceptance_steps": recorder.steps, "controller_cost_check": cost_check,
         "sim_limits": {k: getattr(cost.profile, k) for k in ("max_num_seqs", "kv_capacity_tokens",
                                                              "max_batched_tokens")},
-        "host_gap_measured": {p: {"a_s": a, "per_request_s": b, "gaps": n, "mean_s": mean}
-                              for p, (a, b, n, mean) in gap.items()},
+        "host_gap_measured": _gaps_json(gap),
         # per path (the gRPC path's engine loop is another process's)
-        "host_gap_by_path": {path: {p: {"a_s": a, "per_request_s": b, "gaps": n, "mean_s": mean}
-                                    for p, (a, b, n, mean) in g.items()} for path, g in gap_by_path.items()},
+        "host_gap_by_path": {path: _gaps_json(g) for path, g in gap_by_path.items()},
         "live_summaries": {p: [asdict(s) for s in summ] for p, (_, summ) in live.items()},
     }
     runs = {p: r for p, (r, _) in live.items()}
     gaps = {path: {p: (a, b) for p, (a, b, _, _) in g.items()} for path, g in gap_by_path.items()}
     return simulate_and_report(cfg, opts, out, runs, recording, prompt_set, cost, gaps, meta, console, ps_rows)
+
+
+def _gaps_json(gap: dict) -> dict:
+    """``host_gaps``' result as the meta keeps it."""
+    return {p: {"a_s": a, "per_request_s": b, "gaps": n, "mean_s": mean} for p, (a, b, n, mean) in gap.items()}
 
 
 def host_gaps(gaps: dict[str, list[tuple[int, float]]]) -> dict[str, tuple[float, float, int, float]]:
@@ -845,7 +848,7 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
         if path != paths[0] and not any(r.shapes for rs in own[path].values() for r in rs):
             # no step log of its own (a file from before the replicas logged theirs): the first
             # path's simulated runs, as they were then
-            sims[path], speeds[path] = sims[paths[0]], speeds[paths[0]]
+            sims[path] = sims[paths[0]]
             path_meta[path] = {"simulated_as": paths[0]}
             continue
         used_gap = (gap.get(path) or gap.get(paths[0]) or {}) if opts.host_gap else {}
@@ -884,9 +887,8 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
             "cache_replay": first["cache_replay"], "paths": path_meta}
     (out / "fidelity.json").write_text(to_json(cells, goal_list, meta))
     tables = {}
-    for path in paths:
-        if path_meta[path]["simulated_as"] == path:
-            tables.update(shape_tables({path: live[path]}, sims[path], cost, *speeds[path]))
+    for path in speeds:  # the paths simulated on their own
+        tables.update(shape_tables({path: live[path]}, sims[path], cost, *speeds[path]))
     if tables:
         (out / "step_shapes.md").write_text(step_shapes.markdown(tables))
         (out / "step_shapes.json").write_text(json.dumps(
