@@ -463,9 +463,10 @@ def compare(path: str, live: dict, sim: dict, classes: list[str], delays: dict |
         adaptive = not policy.startswith("static")
         for cls in [*classes, ALL]:
             arms = sim_arms.get(cls, {}) if cls != ALL else _sum_arms(sim_arms.values())
-            cells.append(make_cell(path, policy, level, cls, adaptive,
-                                   side_metrics(live_runs, None if cls == ALL else cls),
-                                   side_metrics(sim_runs, None if cls == ALL else cls, arms)))
+            which = None if cls == ALL else cls
+            tops = [side_metrics([r], which).top_arm for r in live_runs] if adaptive and len(live_runs) > 1 else []
+            cells.append(make_cell(path, policy, level, cls, adaptive, side_metrics(live_runs, which, noise=True),
+                                   side_metrics(sim_runs, which, arms), tops))
     return cells
 
 

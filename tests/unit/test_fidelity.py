@@ -502,6 +502,70 @@ def test_top_drafter_and_arm_distance_beyond_the_top_arm():
     assert arm_summary([_cell("static:none:0", "a")]) == ""  # no adaptive cell: nothing to say
 
 
+def test_median_interval_spans_the_gap_between_two_even_groups_with_a_control():
+    """The bootstrap interval of a median: narrow on one group of values; across the gap when
+    two groups split the requests evenly (the n-gram extraction cells of issue #29); inside the
+    larger group when they split 80/20 (control: the interval is not just always wide)."""
+    from adaptspec.sim.fidelity import median_interval
+
+    rng = np.random.default_rng(3)
+    one = list(0.020 + 0.0005 * rng.standard_normal(40))
+    lo, hi = median_interval(one)
+    assert lo <= float(np.median(one)) <= hi and hi - lo < 0.001
+    fast, slow = list(0.008 + 0.001 * rng.random(17)), list(0.018 + 0.002 * rng.random(17))
+    lo, hi = median_interval(fast + slow)
+    assert lo < 0.009 and hi > 0.018  # either group's edge is one draw away
+    lo, hi = median_interval(fast + fast[:10] + slow[:7])
+    assert hi < 0.010  # 27 fast of 34: the median stays in the fast group
+    assert median_interval(one) == median_interval(one)  # seeded
+    assert all(math.isnan(x) for x in median_interval([0.1]))
+
+
+def test_a_miss_inside_the_live_medians_interval_is_named_so_with_a_control():
+    """A TPOT miss whose simulated value another live sample could give (inside the live
+    bootstrap interval) is marked in the goal's misses and counted in its detail; a miss
+    outside it is not (control). The goal's verdict is the same either way."""
+    def cell(cls, live_tpots, sim_tpot):
+        rows = [Row(cls, float(i), i + 0.1, i + 0.1 + t * 10, 11) for i, t in enumerate(live_tpots)]
+        live = side_metrics([Run(rows, (0.0, 60.0))], cls, noise=True)
+        sim = side_metrics([Run([Row(cls, float(i), i + 0.1, i + 0.1 + sim_tpot * 10, 11)
+                                 for i in range(len(live_tpots))], (0.0, 60.0))], cls)
+        return make_cell("in-process", "static:ngram:4", "c=1", cls, False, live, sim)
+
+    bimodal = [0.008] * 9 + [0.009] * 8 + [0.018] * 8 + [0.020] * 9  # 17 and 17: median 13.5 ms
+    noisy = cell("extraction", bimodal, 0.0095)  # the fast group's edge: -30%
+    assert noisy.errors["tpot_p50"] == pytest.approx(-0.296, abs=0.01) and noisy.in_live_noise("tpot_p50")
+    far = cell("chat", [0.020 + 0.0001 * i for i in range(34)], 0.0095)
+    assert not far.in_live_noise("tpot_p50")
+    g = next(x for x in goals([noisy, far]) if x.name.startswith("tpot_p50"))
+    assert not g.met and "1 of the 2 misses inside" in g.detail
+    assert [("inside the live interval" in m) for m in g.misses] == [True, False]
+    assert noisy.live.noise["tpot_p50"][0] <= 0.009 and not noisy.sim.noise  # the simulated side has none
+
+
+def test_live_rounds_top_arms_and_how_often_they_repeat():
+    """compare() keeps each live round's top arm of an adaptive cell, and round_agreement counts
+    the pairs of rounds that agree: the ceiling of one live side's agreement with a simulated
+    one. Static cells and single rounds keep none."""
+    from adaptspec.sim.fidelity import arm_summary, round_agreement
+    from adaptspec.sim.fidelity_run import compare
+
+    def run(arm):
+        return Run(_rows(0.1, 0.02, 5, cls="a", arms={arm: 3}), (0.0, 30.0))
+
+    sim = (Run(_rows(0.1, 0.02, 5, cls="a"), (0.0, 30.0)),)
+    live = {("thompson", "c=1"): [run("ngram:4"), run("ngram:4"), run("ngram:5")],
+            ("static:ngram:4", "c=1"): [run("ngram:4"), run("ngram:4")],
+            ("thompson", "c=4"): [run("draft:2")]}
+    sims = {k: (list(sim), {"a": {"ngram:4": 1.0}}) for k in live}
+    cells = {(c.policy, c.level, c.request_class): c for c in compare("in-process", live, sims, ["a"])}
+    assert cells[("thompson", "c=1", "a")].live_round_tops == ["ngram:4", "ngram:4", "ngram:5"]
+    assert cells[("static:ngram:4", "c=1", "a")].live_round_tops == []
+    assert cells[("thompson", "c=4", "a")].live_round_tops == []
+    assert round_agreement(list(cells.values())) == (1, 3)  # of three pairs, one agrees
+    assert "live rounds repeat their own top arm in 1/3 pairs" in arm_summary(list(cells.values()))
+
+
 def test_a_cell_without_values_misses_and_the_all_rows_are_not_judged():
     empty = side_metrics([Run([], (0.0, 1.0))], None)
     c = make_cell("in-process", "static:none:0", "c=1", "a", False, empty, empty)
