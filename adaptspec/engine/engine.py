@@ -274,8 +274,11 @@ class Engine:
 
     def add_request(self, prompt: str | Seq[int], params: SamplingParams | None = None,
                     spec: SpecConfig | None = None, *, request_id: str | None = None,
-                    request_class: str = "default", raw: bool = False) -> str:
-        arrival = time.perf_counter()  # TTFT and e2e count tokenization (the chat template) too
+                    request_class: str = "default", raw: bool = False, arrival_s: float | None = None) -> str:
+        # TTFT and e2e count tokenization (the chat template) too; ``arrival_s`` (perf_counter):
+        # when a caller that hands requests over between steps took this one, so they count the
+        # step it waited for as well
+        arrival = time.perf_counter() if arrival_s is None else arrival_s
         params, spec = params or SamplingParams(), spec or SpecConfig()
         self._check_spec(spec)
         ids = self.encode(prompt, raw)

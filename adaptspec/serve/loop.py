@@ -101,8 +101,10 @@ class EngineCore:
         return self._thread.is_alive() and not self._stop
 
     def post(self, cmd: tuple) -> None:
-        """("add", EngineRequest) or ("abort", request_id); any thread."""
-        self._inbox.append(cmd)
+        """("add", EngineRequest) or ("abort", request_id); any thread. Stamped as posted: a
+        request taken after the step in progress counts that wait in its TTFT (the engine's
+        timings, the TTFT metric), as a client sees it."""
+        self._inbox.append((*cmd, time.perf_counter()))
         self._wake.set()
 
     def stop(self) -> None:
@@ -156,7 +158,7 @@ class EngineCore:
         changed = False
         while self._inbox:
             changed = True
-            op, a = self._inbox.popleft()
+            op, a, posted = self._inbox.popleft()
             if op == "add":
                 req: EngineRequest = a
                 err = None
@@ -165,7 +167,7 @@ class EngineCore:
                     # tokenized here: the tokenizer is not safe to share across threads
                     self.engine.add_request(req.prompt_token_ids or req.prompt, req.params, spec,
                                             request_id=req.request_id, request_class=req.request_class,
-                                            raw=req.raw)
+                                            raw=req.raw, arrival_s=posted)
                     self._meta[req.request_id] = _Meta(req.request_class, req.arm is not None, req.stream)
                 except ValueError as exc:  # bad input: the message names the field
                     err = str(exc)

@@ -189,9 +189,13 @@ def _replicas(setup: RunSetup, policy: Policy, req: Requests, rec: Recorder) -> 
 
 def simulate_closed_loop(setup: RunSetup, policy: Policy, clients: int, think: ThinkTimeSpec, source: RequestSource,
                          *, on_shift: Callable[[], None] | None = None,
-                         progress: Callable[[float], None] | None = None) -> tuple[RunOutput, Requests]:
+                         progress: Callable[[float], None] | None = None,
+                         round_trip_s: float = 0.0) -> tuple[RunOutput, Requests]:
     """Run ``policy`` with ``clients`` closed-loop clients; ``setup.requests`` is ignored (the
-    requests made are returned, in send order). Deterministic for a given seed."""
+    requests made are returned, in send order). Deterministic for a given seed.
+    ``round_trip_s``: seconds from a request's end in the engine to the client's next request
+    reaching it, on top of the think time (a service's path there and back: the reply's way
+    out, the next request's way in); the arrival times are the engine's."""
     t_wall = time.perf_counter()
     rng = np.random.default_rng(setup.seed)
     think_rng = np.random.default_rng([setup.seed, 2])
@@ -234,7 +238,7 @@ def simulate_closed_loop(setup: RunSetup, policy: Policy, clients: int, think: T
             target.enqueue(n, ta)
             if getattr(rec, "refused", None) is not None and rec.refused[n]:
                 # refused at once (admission control): the client backs off as the load test does
-                next_send[c] = ta + REFUSED_BACKOFF_S + think_times(think, 1, think_rng)[0]
+                next_send[c] = ta + REFUSED_BACKOFF_S + think_times(think, 1, think_rng)[0] + round_trip_s
             else:
                 in_flight[n] = c
             n += 1
@@ -250,7 +254,7 @@ def simulate_closed_loop(setup: RunSetup, policy: Policy, clients: int, think: T
         steps += 1
         done = [rid for rid in in_flight if not np.isnan(rec.finish_s[rid])]
         for rid, pause in zip(done, think_times(think, len(done), think_rng)):
-            next_send[in_flight.pop(rid)] = rec.finish_s[rid] + pause
+            next_send[in_flight.pop(rid)] = rec.finish_s[rid] + pause + round_trip_s
         if progress is not None and now >= next_report:
             progress(min(now / horizon, 1.0))
             next_report = now + horizon / 200

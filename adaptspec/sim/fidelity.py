@@ -518,6 +518,9 @@ class SimLevel:
     think_s: float = 0.0
     think: str = "fixed"
     arrivals_s: np.ndarray | None = None  # open loop: the send times (s from the start)
+    # closed loop: a reply's way back to the client and its next request's way in, on top of
+    # the think time (a service path's delay, ``path_delays``; 0 in-process)
+    round_trip_s: float = 0.0
 
 
 def fit_host_gap(samples) -> tuple[float, float]:
@@ -558,7 +561,8 @@ def simulate_level(level: SimLevel, *, policy, cost, truths, classes, prompt_set
         setup = RunSetup(cost, truths, empty, 1, "least_loaded", max_k, horizon, drain_s, bin_s, seed,
                          host_gap=host_gap, record_shapes=True)
         out, req = simulate_closed_loop(setup, policy, level.clients,
-                                        ThinkTimeSpec(dist=level.think, mean_s=level.think_s), source)
+                                        ThinkTimeSpec(dist=level.think, mean_s=level.think_s), source,
+                                        round_trip_s=level.round_trip_s)
     else:
         t = np.asarray(level.arrivals_s, dtype=float)
         t = t[t < horizon]

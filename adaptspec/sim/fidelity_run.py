@@ -346,7 +346,7 @@ def _round_factors(factors: list[float], default: float | None):
 
 def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_set, console=None,
                  host_gap: dict | None = None, speed: dict | None = None, run_prompts: dict | None = None,
-                 prompt_speed: dict | None = None) -> dict:
+                 prompt_speed: dict | None = None, round_trip: dict | None = None) -> dict:
     """{(policy, level label): ([Run], {class: {arm: steps}})}: every (level, policy) as the
     live run had them, ``rounds`` runs each (an adaptive policy carries what it learned from
     run to run unless ``fresh``, as the live controller does), for each of ``sim_seeds``
@@ -357,7 +357,11 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
     table alone (``prompt_factors``; a run without one: the mean of the others', none at all:
     the run's speed factor). ``run_prompts``: {(policy, level label):
     [prompt set of live round r]} (``cache_replay``); round r of every seed takes round r's
-    set, a run without one ``prompt_set``."""
+    set, a run without one ``prompt_set``. ``round_trip``: {(policy, level label): seconds} a
+    closed loop's client adds between a reply and its next request reaching the engine (a
+    service path, ``path_delays``)."""
+    from dataclasses import replace
+
     from adaptspec.control import ClassTarget
     from adaptspec.control.costs import ProfileCostModel
     from adaptspec.serve.loadtest import as_arrivals
@@ -394,8 +398,9 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
                         if opts.snapshots:
                             policies[key] = SnapshotPolicy(policies[key], list(opts.classes),
                                                            cfg.controller.report_interval_s, gap)
-                    run, steps = simulate_level(lv, policy=policies[key], cost=run_cost, truths=truths,
-                                                classes=class_specs, prompt_set=ps, warmup_s=opts.warmup_s,
+                    trip = 0.0 if arr.open else (round_trip or {}).get((name, arr.label), 0.0)
+                    run, steps = simulate_level(replace(lv, round_trip_s=trip), policy=policies[key], cost=run_cost,
+                                                truths=truths, classes=class_specs, prompt_set=ps, warmup_s=opts.warmup_s,
                                                 duration_s=opts.duration_s, drain_s=opts.drain_s,
                                                 max_k=cfg.controller.max_k, seed=seed * 1000 + r, host_gap=gap)
                     runs.append(run)
@@ -435,9 +440,11 @@ def path_delays(live: dict) -> dict:
 
 def delayed(runs: list, d: float) -> list:
     """Simulated runs as a client behind a path of ``d`` seconds sees them: every token (the
-    first, the chunks, the last) ``d`` later. TPOT does not move; TTFT grows by ``d``. (A
-    closed-loop client's next request also leaves ``d`` later, which the engine's simulation
-    does not see: second order where ``d`` is a small part of a request's life.)"""
+    first, the chunks, the last) ``d`` later. TPOT does not move; TTFT grows by ``d``. A
+    closed-loop client's next request reaches the engine ``d`` after the reply left it: the
+    simulated run pays that as its round trip (``SimLevel.round_trip_s``) where the engine's
+    TTFT counts from the request's posting (runs before that counted the wait for the step in
+    progress as path, which stood in for it)."""
     from dataclasses import replace
 
     out = []
@@ -624,6 +631,9 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     save_live(out / "live_runs.json", {p: runs for p, (runs, _) in live.items()}, cost.profile)
     meta = {
         "date": started.isoformat(timespec="seconds"), "machine": machine(), "code": code_version(),
+        # the engine's TTFT (a service path's Row.path_s) counts from the request's posting to the
+        # engine loop, the wait for the step in progress included (simulate_and_report's round trip)
+        "engine_ttft_from": "posted",
         "config": opts.config or "(embedded default)",
         "models": {"target": cfg.models.target, "draft": cfg.models.draft, "dtype": cfg.models.dtype,
                    "device": cfg.models.device},
@@ -844,6 +854,11 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     class_specs = [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes]
     paths = list(live)
     sims, speeds, path_meta = {}, {}, {}
+    delays = path_delays(live) if opts.path_delay else {}
+    # runs whose engine TTFT counts from the request's posting to the engine (engine_ttft_from):
+    # their path delay is the path alone, and a closed loop's client pays it between requests;
+    # before, it also held the wait for the engine's step in progress, which stood in for that
+    round_trip = meta.get("engine_ttft_from") == "posted"
     for path in paths:
         own = {path: live[path]}
         if path != paths[0] and not any(r.shapes for rs in own[path].values() for r in rs):
@@ -859,7 +874,8 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
         run_prompts, served = cache_replay(ps_rows, own, list(opts.classes)) if opts.cache_replay and ps_rows \
             else ({}, {})
         sims[path] = simulate_all(cfg, opts, cost, truths, class_specs, prompt_set, host_gap=used_gap, speed=speed,
-                                  run_prompts=run_prompts, prompt_speed=prompt_speed)
+                                  run_prompts=run_prompts, prompt_speed=prompt_speed,
+                                  round_trip=delays.get(path) if round_trip else None)
         speeds[path] = (speed, prompt_speed)
         path_meta[path] = {
             "simulated_as": path, "speed": speed_meta, "prompt_speed": prompt_meta,
@@ -875,8 +891,10 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     if replay["replayed"] + replay["drawn"]:
         notes.append(f"acceptance: {replay['replayed']} of {replay['replayed'] + replay['drawn']} simulated "
                      f"request-steps replayed at their prompt's position as they went live, the rest drawn")
+    if round_trip and delays:
+        notes.append(f"{', '.join(delays)}: a closed loop's next request reaches the simulated engine the level's "
+                     "path delay after the reply (the path there and back)")
     cells = []
-    delays = path_delays(live) if opts.path_delay else {}
     for path, runs in live.items():
         cells += compare(path, runs, sims[path], list(opts.classes), delays.get(path))
     goal_list = goals(cells)

@@ -84,3 +84,19 @@ def test_fidelity_runs_both_paths_the_grpc_rows_carry_cached_tokens_and_its_repl
     cells = json.loads((tmp_path / "again" / "fidelity.json").read_text())["cells"]
     sim = {(c["path"], c["request_class"]): c["sim"]["tpot_p50"] for c in cells}
     assert sim[("grpc", "all")] != sim[("in-process", "all")]
+
+    # the engine's TTFT counts from the request's posting to the engine loop, so the path delay
+    # is the path alone, and the gRPC closed loop's clients pay it between requests; a run on
+    # file from before (no engine_ttft_from) is simulated as then (control: fewer requests sent
+    # through the round trip than without it)
+    assert meta["engine_ttft_from"] == "posted"
+    assert any("path there and back" in n for n in again["notes"])
+    sent = {(c["path"], c["request_class"]): c["sim"]["requests"] for c in cells}
+    data = json.loads((out / "fidelity.json").read_text())
+    del data["meta"]["engine_ttft_from"]
+    (out / "fidelity.json").write_text(json.dumps(data))
+    _, _, before = resimulate(out, tmp_path / "before", Console(quiet=True), config=str(cfg), speed_from="steps")
+    assert not any("path there and back" in n for n in before["notes"])
+    cells = json.loads((tmp_path / "before" / "fidelity.json").read_text())["cells"]
+    unpaid = {(c["path"], c["request_class"]): c["sim"]["requests"] for c in cells}[("grpc", "all")]
+    assert unpaid > sent[("grpc", "all")], (unpaid, sent)

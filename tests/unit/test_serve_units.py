@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import numpy as np
 import pytest
@@ -605,6 +606,49 @@ def test_a_step_that_never_returns_ends_the_engine(engines):
         loop_.stop()
     assert out[-1].error.code == "UNAVAILABLE" and "stalled" in out[-1].error.message and not alive
     assert after[0].error.code == "UNAVAILABLE"
+
+
+def test_a_request_posted_during_a_step_counts_that_wait_in_its_ttft(engines):
+    """The loop hands requests to the engine between steps; the engine's TTFT (the replica's
+    timings and TTFT metric) starts when the request was posted, so a request that came in
+    during a long step counts the rest of it, as its client does. Control: the engine's own
+    clock at the hand-over (the old TTFT) would miss that wait."""
+    import threading
+
+    from adaptspec.serve.loop import EngineLoop
+
+    eng = engines()
+    real, started, calls = eng.step, threading.Event(), []
+
+    def slow_first_step():
+        calls.append(1)
+        if len(calls) == 1:
+            started.set()
+            time.sleep(0.6)  # a long step: a big batch, a slow device
+        return real()
+
+    eng.step = slow_first_step
+    loop_ = EngineLoop(eng, max_queued=4)
+
+    async def both():
+        a = asyncio.ensure_future(_agen(loop_, _req("a", PROMPTS[0], 4)))
+        while not started.is_set():
+            await asyncio.sleep(0.005)
+        posted = time.perf_counter()
+        b = await _agen(loop_, _req("b", PROMPTS[1], 4))
+        return await a, b, time.perf_counter() - posted
+
+    try:
+        a, b, client_s = asyncio.run(both())
+    finally:
+        loop_.stop()
+    assert a[-1].finished and b[-1].finished
+    ttft = b[-1].ttft_s
+    assert 0.5 < ttft <= client_s  # the rest of the 0.6 s step, and no more than the caller saw
+
+
+async def _agen(loop_, req):
+    return [c async for c in loop_.generate(req)]
 
 
 def test_loadtest_in_process_drives_the_engine_and_the_controller(tiny_dir, tiny_draft_dir, tmp_path):

@@ -76,6 +76,22 @@ def test_think_time_delays_the_next_request():
     np.testing.assert_allclose(req.arrival_s, [0.0, 0.3, 0.6, 0.9], atol=1e-9)
 
 
+def test_a_service_paths_round_trip_delays_the_next_request_on_top_of_the_think_time():
+    """The reply's way back and the next request's way in (50 ms) come after the think time
+    (0.2 s): a cycle of 0.35 s at the engine; the request's own time there does not change.
+    Control: without the round trip the cycle is 0.3 s."""
+    classes = _classes()
+    truths = [ClassTruth("chat", {"ngram": BernoulliAcceptance(0.5)})]
+    empty = Requests(np.zeros(0), np.zeros(0, dtype=int), np.zeros(0, dtype=int), np.zeros(0, dtype=int))
+    for trip, cycle in ((0.05, 0.35), (0.0, 0.3)):
+        setup = RunSetup(_profile(), truths, empty, max_k=4, duration_s=1.0, drain_s=60.0, bin_s=1.0)
+        source = RequestSource(classes, None, "random", np.random.default_rng([0, 1]))
+        out, req = simulate_closed_loop(setup, StaticPolicy(Arm("none", 0), PolicyConfig(("ngram",), 4)), 1,
+                                        ThinkTimeSpec(dist="fixed", mean_s=0.2), source, round_trip_s=trip)
+        np.testing.assert_allclose(np.diff(req.arrival_s), cycle, atol=1e-9)
+        np.testing.assert_allclose(out.recorder.finish_s - req.arrival_s, 0.1, atol=1e-9)
+
+
 def _law(out, req, clients: int, think_s: float, warmup: float, end: float) -> float:
     """N_est = X (R + Z) over requests finishing in [warmup, end): the interactive response-time law."""
     fin = out.recorder.finish_s
