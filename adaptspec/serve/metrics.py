@@ -80,8 +80,9 @@ class ServiceMetrics:
                                           boundaries=K_BOUNDS, tag_keys=cls_drafter)
         self.step_time = metrics.Histogram("adaptspec_step_seconds", description="engine step wall time",
                                            boundaries=STEP_BOUNDS)
-        self.ttft = metrics.Histogram("adaptspec_ttft_seconds", description="time to first token (engine: arrival "
-                                      "to first output token)", boundaries=TTFT_BOUNDS, tag_keys=("request_class",))
+        self.ttft = metrics.Histogram("adaptspec_ttft_seconds", description="time to first token (the request's "
+                                      "arrival at the replica's engine loop, the step in progress included, to "
+                                      "its first output token)", boundaries=TTFT_BOUNDS, tag_keys=("request_class",))
         self.tpot = metrics.Histogram("adaptspec_tpot_seconds", description="time per output token after the first",
                                       boundaries=TPOT_BOUNDS, tag_keys=("request_class",))
         self.e2e = metrics.Histogram("adaptspec_e2e_seconds", description="request arrival to its last token",
