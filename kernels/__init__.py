@@ -1,1 +1,0 @@
-"""Triton kernels for AdaptSpec (imported as ``adaptspec_kernels``)."""
