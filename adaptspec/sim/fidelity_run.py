@@ -382,6 +382,7 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
             gap = (host_gap or {}).get(name, (host_gap or {}).get("*", (0.0, 0.0)))
             factor = _round_factors((speed or {}).get((name, arr.label), []), 1.0)
             p_factor = _round_factors((prompt_speed or {}).get((name, arr.label), []), None)
+            lv_run = replace(lv, round_trip_s=0.0 if arr.open else (round_trip or {}).get((name, arr.label), 0.0))
             runs, arms = [], {}
             sets = list((run_prompts or {}).get((name, arr.label), []))
             for seed in range(opts.sim_seeds):
@@ -398,8 +399,7 @@ def simulate_all(cfg, opts: FidelityOptions, cost, truths, class_specs, prompt_s
                         if opts.snapshots:
                             policies[key] = SnapshotPolicy(policies[key], list(opts.classes),
                                                            cfg.controller.report_interval_s, gap)
-                    trip = 0.0 if arr.open else (round_trip or {}).get((name, arr.label), 0.0)
-                    run, steps = simulate_level(replace(lv, round_trip_s=trip), policy=policies[key], cost=run_cost,
+                    run, steps = simulate_level(lv_run, policy=policies[key], cost=run_cost,
                                                 truths=truths, classes=class_specs, prompt_set=ps, warmup_s=opts.warmup_s,
                                                 duration_s=opts.duration_s, drain_s=opts.drain_s,
                                                 max_k=cfg.controller.max_k, seed=seed * 1000 + r, host_gap=gap)
@@ -858,7 +858,7 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     # runs whose engine TTFT counts from the request's posting to the engine (engine_ttft_from):
     # their path delay is the path alone, and a closed loop's client pays it between requests;
     # before, it also held the wait for the engine's step in progress, which stood in for that
-    round_trip = meta.get("engine_ttft_from") == "posted"
+    pays_round_trip = meta.get("engine_ttft_from") == "posted"
     for path in paths:
         own = {path: live[path]}
         if path != paths[0] and not any(r.shapes for rs in own[path].values() for r in rs):
@@ -875,7 +875,7 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
             else ({}, {})
         sims[path] = simulate_all(cfg, opts, cost, truths, class_specs, prompt_set, host_gap=used_gap, speed=speed,
                                   run_prompts=run_prompts, prompt_speed=prompt_speed,
-                                  round_trip=delays.get(path) if round_trip else None)
+                                  round_trip=delays.get(path) if pays_round_trip else None)
         speeds[path] = (speed, prompt_speed)
         path_meta[path] = {
             "simulated_as": path, "speed": speed_meta, "prompt_speed": prompt_meta,
@@ -891,7 +891,7 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     if replay["replayed"] + replay["drawn"]:
         notes.append(f"acceptance: {replay['replayed']} of {replay['replayed'] + replay['drawn']} simulated "
                      f"request-steps replayed at their prompt's position as they went live, the rest drawn")
-    if round_trip and delays:
+    if pays_round_trip and delays:
         notes.append(f"{', '.join(delays)}: a closed loop's next request reaches the simulated engine the level's "
                      "path delay after the reply (the path there and back)")
     cells = []
