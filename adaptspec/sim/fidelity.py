@@ -196,6 +196,9 @@ class Cell:
     errors: dict[str, float] = field(default_factory=dict)
     # adaptive cells: the top arm of each live run (round) alone, when there are two or more
     live_round_tops: list[str] = field(default_factory=list)
+    # adaptive cells with four or more rounds: the top arm of the first half of the rounds
+    # pooled, and of the second half (two live sides of the same workload, each pooled)
+    live_half_tops: list[str] = field(default_factory=list)
 
     def in_live_noise(self, metric: str) -> bool:
         """The simulated value lies inside the live side's bootstrap interval of ``metric``
@@ -245,6 +248,8 @@ def arm_summary(cells: list[Cell]) -> str:
     tv = [c.arm_distance for c in adaptive if not math.isnan(c.arm_distance)]
     same, pairs = round_agreement(adaptive)
     rounds = f"; live rounds repeat their own top arm in {same}/{pairs} pairs" if pairs else ""
+    same, n = half_agreement(adaptive)
+    rounds += f"; the two halves of the live rounds, each pooled, agree in {same}/{n} cells" if n else ""
     return (f"adaptive arms beyond the top arm (not judged): top drafter agrees in "
             f"{sum(c.same_top_drafter for c in adaptive)}/{len(adaptive)} cells; arm-share distance (total "
             f"variation) median {float(np.median(tv)) if tv else math.nan:.2f}, max {max(tv, default=math.nan):.2f}"
@@ -252,9 +257,25 @@ def arm_summary(cells: list[Cell]) -> str:
 
 
 def make_cell(path: str, policy: str, level: str, request_class: str, adaptive: bool, live: SideMetrics,
-              sim: SideMetrics, live_round_tops: list[str] | None = None) -> Cell:
+              sim: SideMetrics, live_round_tops: list[str] | None = None,
+              live_half_tops: list[str] | None = None) -> Cell:
     return Cell(path, policy, level, request_class, adaptive, live, sim,
-                {m: rel_error(sim.value(m), live.value(m)) for m in METRICS}, list(live_round_tops or []))
+                {m: rel_error(sim.value(m), live.value(m)) for m in METRICS}, list(live_round_tops or []),
+                list(live_half_tops or []))
+
+
+def half_agreement(cells: list[Cell]) -> tuple[int, int]:
+    """(adaptive cells whose two halves of live rounds, each pooled, have the same top arm,
+    cells with both halves): the live service against itself at the pooling a goal's live side
+    has, where ``round_agreement`` compares single rounds."""
+    same = n = 0
+    for c in cells:
+        tops = c.live_half_tops
+        if not c.adaptive or c.request_class == ALL or len(tops) != 2 or "-" in tops:
+            continue
+        n += 1
+        same += tops[0] == tops[1]
+    return same, n
 
 
 def round_agreement(cells: list[Cell]) -> tuple[int, int]:

@@ -564,6 +564,30 @@ def test_live_rounds_top_arms_and_how_often_they_repeat():
     assert cells[("thompson", "c=4", "a")].live_round_tops == []
     assert round_agreement(list(cells.values())) == (1, 3)  # of three pairs, one agrees
     assert "live rounds repeat their own top arm in 1/3 pairs" in arm_summary(list(cells.values()))
+    assert all(not c.live_half_tops for c in cells.values())  # under four rounds: no halves
+
+
+def test_the_halves_of_four_live_rounds_pooled_and_whether_they_agree():
+    """With four rounds, each half of them pooled has a top arm: rounds 1-2 lean ngram:4 on
+    steps (3 + 1 against 2 + 1), rounds 3-4 ngram:5; a cell whose halves lean the same way
+    counts as agreeing. A half is pooled by steps, not by its rounds' winners: c=4's second
+    half (draft:2 in one round, draft:3 in the other) is draft:2, 2 steps against 1."""
+    from adaptspec.sim.fidelity import arm_summary, half_agreement
+    from adaptspec.sim.fidelity_run import compare
+
+    def run(**arms):
+        return Run(_rows(0.1, 0.02, 5, cls="a", arms={a.replace("_", ":"): n for a, n in arms.items()}), (0.0, 30.0))
+
+    sim = (Run(_rows(0.1, 0.02, 5, cls="a"), (0.0, 30.0)),)
+    live = {("thompson", "c=1"): [run(ngram_4=3, ngram_5=2), run(ngram_4=1, ngram_5=1),
+                                  run(ngram_4=1, ngram_5=3), run(ngram_4=2, ngram_5=1)],
+            ("thompson", "c=4"): [run(draft_2=3), run(draft_2=1, draft_3=2), run(draft_2=2), run(draft_3=1)]}
+    sims = {k: (list(sim), {"a": {"ngram:4": 1.0}}) for k in live}
+    cells = {(c.policy, c.level, c.request_class): c for c in compare("in-process", live, sims, ["a"])}
+    assert cells[("thompson", "c=1", "a")].live_half_tops == ["ngram:4", "ngram:5"]
+    assert cells[("thompson", "c=4", "a")].live_half_tops == ["draft:2", "draft:2"]
+    assert half_agreement(list(cells.values())) == (1, 2)
+    assert "each pooled, agree in 1/2 cells" in arm_summary(list(cells.values()))
 
 
 def test_a_cell_without_values_misses_and_the_all_rows_are_not_judged():
