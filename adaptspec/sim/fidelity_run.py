@@ -472,7 +472,7 @@ def compare(path: str, live: dict, sim: dict, classes: list[str], delays: dict |
             arms = sim_arms.get(cls, {}) if cls != ALL else _sum_arms(sim_arms.values())
             which = None if cls == ALL else cls
             tops = [side_metrics([r], which).top_arm for r in live_runs] if adaptive and len(live_runs) > 1 else []
-            h = len(live_runs) // 2
+            h = len(live_runs) // 2  # two equal halves: an odd last round is in neither
             halves = [side_metrics(live_runs[:h], which).top_arm, side_metrics(live_runs[h:2 * h], which).top_arm] \
                 if adaptive and h >= 2 else []
             cells.append(make_cell(path, policy, level, cls, adaptive, side_metrics(live_runs, which, noise=True),
