@@ -329,6 +329,25 @@ def _hold(client: Client):
                                                request_class="plain"), metadata=client.data_metadata, timeout=120)
 
 
+def _in_flight_by_controller(cfg: ServiceConfig):
+    """Calls the replicas hold, as they report them to the Controller, asked over a Serve handle
+    of its own: a stats call through the proxy would wait in its queue behind a full replica."""
+    from ray import serve
+
+    controller = serve.get_deployment_handle("Controller", app_name=cfg.app_name)
+    return lambda: sum(r.in_flight for r in controller.stats.remote().result(timeout_s=10).replicas)
+
+
+def _ended(held) -> list[str]:
+    """How each holding call that already ended ended (none may: each runs for seconds)."""
+    out = []
+    for f in held:
+        if f.done():
+            exc = f.exception()
+            out.append("finished" if exc is None else f"{exc.code().name}: {exc.details()}")
+    return out
+
+
 def test_usage_reports_cached_prompt_tokens_as_openai_does(service):
     """``usage.prompt_tokens_details.cached_tokens``: the second of two requests with the same
     40-token prompt is served two full blocks (16 positions each) from the prefix cache; the
@@ -347,17 +366,20 @@ def test_full_queue_is_429(service):
     refusal by the engine itself carries OpenAI's JSON error). gRPC and HTTP share that queue."""
     client, http = service["grpc"], service["http"]
     _wait_idle(client, "an idle replica")
-    # Every place is held by a call that stays (no probe that may take a place and leave it).
-    # The replica is filled to one place short first and seen so (stats are a call too and
-    # would wait in the proxy's queue behind a full replica), then the last place and the queue.
+    in_flight = _in_flight_by_controller(service["cfg"])
+    # Every place is held by a call that stays (no probe that may take a place and leave it),
+    # sent one at a time and seen on the replica before the next: Serve's router counts a call
+    # as queued until it is assigned, so a burst can be refused with places still open.
     held = []
     try:
-        held += [_hold(client) for _ in range(MAX_NUM_SEQS + MAX_QUEUED - 1)]
-        _wait_for(lambda: sum(r.in_flight for r in client.stats().replicas) == len(held),
-                  "the replica to hold all its places but one")
-        held += [_hold(client) for _ in range(1 + MAX_QUEUED)]
-        time.sleep(1.0)  # they reach the replica and the proxy's queue; none may be refused or end
-        assert not [f for f in held if f.done()], "a holding call ended or was refused"
+        for n in range(1, MAX_NUM_SEQS + MAX_QUEUED + 1):
+            held.append(_hold(client))
+            _wait_for(lambda: _ended(held) or in_flight() == n, f"hold call {n} to reach the replica")
+            assert not _ended(held), f"a holding call ended or was refused: {_ended(held)}"
+        held += [_hold(client) for _ in range(MAX_QUEUED)]  # the proxy's queue: nothing else is pending
+        time.sleep(1.0)  # they reach the proxy's queue; none may be refused or end
+        assert not _ended(held), f"a holding call ended or was refused: {_ended(held)}"
+        assert in_flight() == MAX_NUM_SEQS + MAX_QUEUED, "a queued call reached the full replica"
         # the queue is full: refusals come at once (a request that waits found a place open)
         r = http.post("/v1/completions", json=_cmpl(), timeout=20)
         assert r.status_code == 429, (r.status_code, r.text)
