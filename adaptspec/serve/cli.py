@@ -329,6 +329,9 @@ def loadtest(
                                                                "(the app's route /<app> is added; --start: its port)"),
     api_key: Optional[str] = typer.Option(None, envvar="OPENAI_API_KEY",
                                           help="API key, sent over HTTP and gRPC (gRPC without it: $ADAPTSPEC_API_KEY)"),
+    prompts: Optional[str] = typer.Option(None, help="the requests' prompts: corpus:N[:SEED] (N a class from the "
+                                          "held-out split of the offline distillation corpus) or a JSON file "
+                                          "{class: [prompt, ...]}; default: the bench prompts (eight a class)"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write results to this JSON file"),
 ) -> None:
     """Closed-loop load on loopback gRPC (or the OpenAI-compatible HTTP API: --protocol http): TTFT,
@@ -336,11 +339,13 @@ def loadtest(
     from rich.table import Table
 
     from adaptspec.serve.client import Client
-    from adaptspec.serve.loadtest import HttpClient, LoadSpec, Probes, as_json, run_level, top_arm
+    from adaptspec.serve.loadtest import HttpClient, LoadSpec, Probes, as_json, load_prompts, run_level, top_arm
 
     console = _console()
-    spec = LoadSpec([c for c in classes.split(",") if c], max_tokens, slo_ttft, slo_tpot,
-                    prompt_tokens=_span(prompt_tokens, "--prompt-tokens"))
+    class_list = [c for c in classes.split(",") if c]
+    spec = LoadSpec(class_list, max_tokens, slo_ttft, slo_tpot, prompt_tokens=_span(prompt_tokens, "--prompt-tokens"),
+                    prompts=load_prompts(prompts, class_list))
+    prompts_from = prompts or "bench"
     levels = load_levels(concurrency, rate, arrival, burstiness, think_time, think, arrival_seed)
     results = []
     over = probed = bg = None
@@ -353,7 +358,7 @@ def loadtest(
         if bad:
             raise ValueError(f"--in-process: {', '.join(bad)} need the service (no Serve runs in-process)")
         return _loadtest_in_process(config, torch_threads, levels, [p for p in policies.split(",") if p], spec,
-                                    duration, warmup, rounds, fresh, json_path, console)
+                                    duration, warmup, rounds, fresh, json_path, console, prompts_from)
     if start:
         from adaptspec.serve.config import load_config
 
@@ -407,7 +412,7 @@ def loadtest(
     if overhead_only:
         if json_path:
             with open(json_path, "w") as f:
-                f.write(as_json([], over, probed))
+                f.write(as_json([], over, probed, prompts_from))
         return
     t = Table(title="loadtest")
     for col in ("policy", "conc.", "req", "err", "tok/s", "goodput req/s", "TTFT p50/p99", "TPOT p50/p99",
@@ -424,7 +429,7 @@ def loadtest(
         console.print(line)
     if json_path:
         with open(json_path, "w") as f:
-            f.write(as_json(results, over, probed))
+            f.write(as_json(results, over, probed, prompts_from))
         console.print(f"wrote {json_path}")
 
 
@@ -517,7 +522,7 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
 
 
 def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration, warmup, rounds, fresh, json_path,
-                         console) -> None:
+                         console, prompts_from: str = "bench") -> None:
     from rich.progress import Progress
     from rich.table import Table
 
@@ -570,7 +575,7 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
             ct.add_row(row["verify_tokens"], str(row["steps"]), f"{row['predicted_ms']:.1f}", f"{row['measured_ms']:.1f}")
         console.print(ct)
     if json_path:
-        data = json.loads(as_json(results))
+        data = json.loads(as_json(results, prompts=prompts_from))
         for lv in data["levels"]:
             lv["decode_tokens_per_s"] = per_decode_s.get((lv["policy"], lv["level"]), 0.0)
             lv["step_p50_s"], lv["step_max_s"] = svc.step_wall(lv["policy"], lv["level"])

@@ -27,7 +27,7 @@ from adaptspec.control.base import draft_positions
 from adaptspec.control.types import StepOutcome
 from adaptspec.serve.config import ServiceConfig
 from adaptspec.serve.controller import ControlCore, PolicyUpdate
-from adaptspec.serve.loadtest import (Arrivals, LoadSpec, RequestRecord, Window, as_arrivals, bench_prompts,
+from adaptspec.serve.loadtest import (Arrivals, LoadSpec, RequestRecord, Window, as_arrivals,
                                       pick_prompt, with_context)
 from adaptspec.serve.loop import _spec, apply_arms, class_deltas, engine_state
 from adaptspec.serve.types import ReplicaReport
@@ -93,7 +93,7 @@ class InProcessService:
         still running at the end are aborted and counted as cut."""
         eng, core = self.engine, self.core
         arr = as_arrivals(concurrency)
-        prompts = bench_prompts()
+        prompts = spec.pools()
         interval = self.cfg.controller.report_interval_s
         check = self.cost_checks.setdefault(core.policy_name, CostCheck())
         tally = self.decode.setdefault((core.policy_name, arr.label), [0.0, 0.0])

@@ -37,6 +37,46 @@ def bench_prompts() -> dict[str, list[str]]:
     return json.loads(resources.files("adaptspec.data").joinpath("bench_prompts.json").read_text())
 
 
+def load_prompts(source: str | None, classes: list[str]) -> dict[str, list[str]] | None:
+    """The prompt pools of ``--prompts``: None for the bench prompts (eight a class, the ones
+    ``adaptspec bench`` runs); ``corpus:N`` or ``corpus:N:SEED`` for N prompts a class drawn
+    from the held-out split of the offline distillation corpus (the draft head never trained
+    on them; longer and more varied than the bench's); else a JSON file mapping each class to
+    a list of prompts. Every class in ``classes`` needs a pool; ValueError names what is wrong."""
+    if source is None or source == "":
+        return None
+    if source.startswith("corpus:"):
+        from adaptspec.distill.corpus import CLASSES, build_corpus
+
+        try:
+            n, seed = (int(x) for x in (source.split(":")[1:] + ["0"])[:2])
+            if len(source.split(":")) > 3 or n < 1 or seed < 0:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"--prompts: corpus:N or corpus:N:SEED (N >= 1 prompts a class), got {source!r}") from None
+        if missing := [c for c in classes if c not in CLASSES]:
+            raise ValueError(f"--prompts: the corpus has the classes {', '.join(CLASSES)}, not {', '.join(missing)}")
+        import random
+
+        held = build_corpus(seed).held_out
+        return {c: random.Random(f"{seed}:{c}").sample(held[c], min(n, len(held[c]))) for c in classes}
+    try:
+        with open(source, encoding="utf-8") as f:
+            pools = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"--prompts: cannot read {source!r} ({exc.strerror or exc})") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--prompts: {source!r} is not JSON ({exc})") from None
+    if not isinstance(pools, dict):
+        raise ValueError(f"--prompts: {source!r} must hold a JSON object mapping each class to a list of prompts")
+    for c in classes:
+        pool = pools.get(c)
+        if not isinstance(pool, list) or not pool or not all(isinstance(x, str) and x.strip() for x in pool):
+            raise ValueError(f"--prompts: {source!r}: class {c!r} needs a non-empty list of non-empty prompt strings"
+                             + ("" if c in pools else " (it is missing)"))
+    return {c: list(pools[c]) for c in classes}
+
+
 @dataclass(slots=True)
 class RequestRecord:
     request_class: str
@@ -113,6 +153,10 @@ class LoadSpec:
     # (lo, hi): each request's prompt is its class prompt after a context of about
     # uniform(lo, hi) tokens (long documents arriving among running requests); None: as is
     prompt_tokens: tuple[int, int] | None = None
+    prompts: dict[str, list[str]] | None = None  # each class's prompt pool (load_prompts); None: the bench's
+
+    def pools(self) -> dict[str, list[str]]:
+        return self.prompts if self.prompts is not None else bench_prompts()
 
 
 @dataclass(slots=True, frozen=True)
@@ -226,7 +270,7 @@ def run_level(client: Client, concurrency: "int | Arrivals", duration_s: float, 
     the ``Arrivals`` given; returns every record and the measured window (the last
     ``duration_s``)."""
     arr = as_arrivals(concurrency)
-    prompts = bench_prompts()
+    prompts = spec.pools()
     offsets = arr.times(warmup_s + duration_s) if arr.open else None  # drawn before the clock starts
     t0 = time.perf_counter()
     window = Window(t0 + warmup_s, t0 + warmup_s + duration_s)
@@ -456,8 +500,11 @@ def measure_http_overhead(client: Client, http: "HttpClient", n: int, max_tokens
     }
 
 
-def as_json(levels: list[LevelSummary], overhead: dict | None = None, probes: dict | None = None) -> str:
-    return json.dumps({"levels": [asdict(x) for x in levels], "overhead": overhead, "probes": probes}, indent=2)
+def as_json(levels: list[LevelSummary], overhead: dict | None = None, probes: dict | None = None,
+            prompts: str = "bench") -> str:
+    """``prompts``: where the requests' prompts came from (``--prompts``; "bench": the bench prompts)."""
+    return json.dumps({"levels": [asdict(x) for x in levels], "overhead": overhead, "probes": probes,
+                       "prompts": prompts}, indent=2)
 
 
 class HttpError(Exception):

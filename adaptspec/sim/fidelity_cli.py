@@ -45,6 +45,9 @@ def fidelity(
     rounds: int = typer.Option(1, help="live runs per level and policy, interleaved"),
     fresh: bool = typer.Option(False, "--fresh", help="start each run's policy afresh (live and simulated)"),
     max_tokens: int = typer.Option(64, help="max_tokens of every request"),
+    prompts: Optional[str] = typer.Option(None, help="the requests' prompts, as loadtest's --prompts: corpus:N[:SEED] "
+                                                     "or a JSON file {class: [prompt, ...]}; default: the bench prompts "
+                                                     "(the folder keeps them as sent: prompts.json)"),
     profile: Optional[str] = typer.Option(None, help="use this step-cost profile JSON instead of calibrating "
                                                      "(with --resimulate: instead of the run's)"),
     calibrate_repeats: int = typer.Option(3, help="timed steps per calibration point"),
@@ -132,8 +135,8 @@ def fidelity(
     if rounds < 1 or sim_seeds < 1 or duration <= 0 or warmup < 0 or max_tokens < 1:
         raise ValueError("--rounds, --sim-seeds and --max-tokens must be >= 1, --duration > 0, --warmup >= 0")
     opts = FidelityOptions(config=config, levels=levels, policies=[p for p in policies.split(",") if p],
-                           classes=[c for c in classes.split(",") if c], max_tokens=max_tokens, duration_s=duration,
-                           warmup_s=warmup, rounds=rounds, fresh=fresh, profile=profile,
+                           classes=[c for c in classes.split(",") if c], max_tokens=max_tokens, prompts=prompts,
+                           duration_s=duration, warmup_s=warmup, rounds=rounds, fresh=fresh, profile=profile,
                            calibrate_repeats=calibrate_repeats,
                            calibrate_batch=_ints(calibrate_batch, "--calibrate-batch"),
                            calibrate_ks=_ints(calibrate_ks, "--calibrate-ks"),

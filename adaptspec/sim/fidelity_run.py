@@ -47,6 +47,7 @@ class FidelityOptions:
     policies: list[str] = field(default_factory=list)  # empty: thompson and the static arms
     classes: list[str] = field(default_factory=lambda: ["chat", "code_edit", "extraction"])
     max_tokens: int = 64
+    prompts: str | None = None  # loadtest's --prompts: corpus:N[:SEED] or a JSON file; None: the bench prompts
     duration_s: float = 30.0
     warmup_s: float = 10.0
     rounds: int = 1
@@ -99,8 +100,8 @@ def rows_from_records(records) -> list[Row]:
     return rows
 
 
-def build_prompt_set(engine, classes: list[str], live: dict, max_tokens: int):
-    """Per class, each bench prompt's (prompt tokens by the engine's tokenizer, output tokens
+def build_prompt_set(engine, classes: list[str], live: dict, max_tokens: int, prompts: dict | None = None):
+    """Per class, each prompt's (``prompts``, the load's pools; None: the bench prompts) (prompt tokens by the engine's tokenizer, output tokens
     as the live requests of that prompt ended: their median, ``max_tokens`` for a prompt that
     never finished live; prompt tokens the prefix cache served them: their median). Returns
     the ``PromptSet`` (uncached prompt tokens: the simulator has no prefix cache) and its CSV
@@ -108,7 +109,7 @@ def build_prompt_set(engine, classes: list[str], live: dict, max_tokens: int):
     from adaptspec.serve.loadtest import bench_prompts
     from adaptspec.sim.closed_loop import PromptSet
 
-    prompts = bench_prompts()
+    prompts = prompts if prompts is not None else bench_prompts()
     ended: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for runs in live.values():
         for run in runs:
@@ -570,12 +571,15 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
 
     from adaptspec.serve.config import load_config
     from adaptspec.serve.inprocess import InProcessService
-    from adaptspec.serve.loadtest import LoadSpec
+    from adaptspec.serve.loadtest import LoadSpec, load_prompts
     from adaptspec.sim.acceptance_replay import AcceptanceRecorder
 
     cfg = load_config(opts.config)
+    spec = LoadSpec(list(opts.classes), opts.max_tokens, prompts=load_prompts(opts.prompts, list(opts.classes)))
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
+    # the prompts as sent: `--prompts out/prompts.json` sends them again
+    (out / "prompts.json").write_text(json.dumps(spec.pools(), indent=1, ensure_ascii=False))
     opts.policies = opts.policies or default_policies(cfg.drafters, cfg.controller.max_k)
     started = _dt.datetime.now().astimezone()
     if opts.profile:
@@ -584,7 +588,6 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
         with console.status("calibrating the step costs on this machine"):
             profile_path = calibrate_for(cfg, out / "profile.json", opts)
         console.print(f"calibrated: {profile_path}")
-    spec = LoadSpec(list(opts.classes), opts.max_tokens)
     with console.status("loading the models"):
         svc = InProcessService(cfg, torch_threads=opts.torch_threads)
     recorder, step_log = AcceptanceRecorder(prompt_of=svc.prompt_of.get), StepLog()
@@ -616,7 +619,8 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     recording = recorder.to_file(f"{cfg.models.target} + {cfg.models.draft or 'no draft'} ({cfg.models.dtype}, "
                                  f"{cfg.models.device}), {started:%Y-%m-%d %H:%M %Z}, {recorder.steps} steps")
     recording.save(out / "acceptance.json")
-    prompt_set, ps_rows = build_prompt_set(svc.engine, list(opts.classes), live["in-process"][0], opts.max_tokens)
+    prompt_set, ps_rows = build_prompt_set(svc.engine, list(opts.classes), live["in-process"][0], opts.max_tokens,
+                                           spec.pools())
     with open(out / "prompt_set.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["request_class", "num_prefill_tokens", "num_decode_tokens", "num_cached_tokens"])
@@ -643,6 +647,7 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
         "profile": str(profile_path), "levels": [_level_json(x) for x in opts.levels], "policies": opts.policies,
         "classes": list(opts.classes), "duration_s": opts.duration_s, "warmup_s": opts.warmup_s,
         "rounds": opts.rounds, "max_tokens": opts.max_tokens, "sim_seeds": opts.sim_seeds,
+        "prompts": opts.prompts or "bench",
         "acceptance_steps": recorder.steps, "controller_cost_check": cost_check,
         "sim_limits": {k: getattr(cost.profile, k) for k in ("max_num_seqs", "kv_capacity_tokens",
                                                              "max_batched_tokens")},

@@ -696,8 +696,13 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
 
     cfg = _tiny_cfg(tmp_path, tiny_dir, tiny_draft_dir)
     out = tmp_path / "fid"
+    # prompts of its own (--prompts), in the tiny model's words: pools of 3, 2 and 4 prompts
+    pools = {"chat": ["t1 t2 t3", "t4 t5", "t6 t7 t8 t9"], "code_edit": ["t2 t2 t2 t2 t2 t3", "t5 t6 t7"],
+             "extraction": ["t9 t1", "t3 t3 t3 t4 t5 t6 t7 t8", "t10 t11", "t12 t13 t14"]}
+    (tmp_path / "prompts.json").write_text(json.dumps(pools))
     res = CliRunner().invoke(app, ["fidelity", "--config", str(cfg), "--out", str(out), "--concurrency", "2",
                                    "--rate", "20", "--duration", "0.6", "--warmup", "0.2", "--max-tokens", "6",
+                                   "--prompts", str(tmp_path / "prompts.json"),
                                    "--policies", "thompson,static:ngram:2", "--calibrate-batch", "1,2",
                                    "--calibrate-ks", "2", "--calibrate-repeats", "1",
                                    "--probe-tolerance", "inf"])  # the tiny model's steps are mostly noise
@@ -719,6 +724,12 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
                                                  for lv in ("c=2", "20 rps")}
     for name in ("fidelity.png", "acceptance.json", "prompt_set.csv", "scenario.yaml", "profile.json"):
         assert (out / name).stat().st_size > 0
+    # the prompt set the simulator ran is the one sent: a row per prompt, in the file's order
+    assert json.loads((out / "prompts.json").read_text()) == pools and data["meta"]["prompts"] == str(
+        tmp_path / "prompts.json")
+    ps_rows = (out / "prompt_set.csv").read_text().splitlines()[1:]
+    assert [r.split(",")[0] for r in ps_rows] == ["chat"] * 3 + ["code_edit"] * 2 + ["extraction"] * 4
+    assert [int(r.split(",")[1]) for r in ps_rows][5:] == [2, 8, 2, 3]
     recording = AcceptanceFile.load(out / "acceptance.json")
     assert set(recording.classes) == {"chat", "code_edit", "extraction"}
     # every request's prompt was known: the counts per prompt add up to the class's
