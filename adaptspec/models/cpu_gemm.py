@@ -58,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-BW = 32  # output columns per packed block (two 16-float vectors)
+BW = 32  # output columns per packed block (two 16-float vectors on AVX-512, four 8-float on AVX2)
 # Rows past which torch takes over, measured for a 576 x 3072 layer on this project's 2-core
 # machine: fp32 kernel / BLAS 0.47 / 0.59 ms at 5 rows, 1.7 / 2.0 at 64, 3.7 / 3.1 at 150;
 # bf16 0.41 / 1.2 ms at 5 rows, 4.0 / 9.3 at 150, 6.5 / 15.4 at 256.
@@ -174,6 +174,7 @@ def _load() -> None:
         _declare_layer_ops(lib)
         lib.adaptspec_bf16_pairs.restype = ctypes.c_int
         pairs = bool(lib.adaptspec_bf16_pairs())
+        shape = f"{lib.adaptspec_small_gemm_lanes()}-float vectors, tiles of {lib.adaptspec_small_gemm_tile_rows()} rows"
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _status = f"build/load failed ({e}): torch matmul"
         return
@@ -184,7 +185,7 @@ def _load() -> None:
         _lib, _pairs_built = None, False
         _status = f"self-check failed ({bad}): torch matmul"
         return
-    _status = f"on ({out.name}{', bf16 dot products' if _pairs_built and BF16_DOT else ''})"
+    _status = f"on ({out.name}, {shape}{', bf16 dot products' if _pairs_built and BF16_DOT else ''})"
 
 
 def _declare_layer_ops(lib: ctypes.CDLL) -> None:
@@ -391,6 +392,11 @@ def enabled() -> bool:
 def status() -> str:
     enabled()
     return _status
+
+
+def vector_lanes() -> int:
+    """Floats per vector the kernel was built for (16 AVX-512, 8 AVX2, 4 NEON / SSE); 0: not in use."""
+    return int(_lib.adaptspec_small_gemm_lanes()) if enabled() else 0
 
 
 def bf16_pairs() -> bool:

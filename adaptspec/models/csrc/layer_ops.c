@@ -17,8 +17,8 @@
  * GCC vector extensions of 8 floats (AVX2 / AVX-512VL registers, NEON pairs) from one
  * source; OpenMP over tasks of attention. 8 and not 16 lanes: on a CPU with one 512-bit FMA
  * unit and two 256-bit ones, attention's multiply-adds ran about twice as fast in 256-bit
- * registers. The weight products (small_gemm.c) wait on memory, not on FMAs, and keep 16
- * lanes.
+ * registers. The weight products (small_gemm.c) wait on memory, not on FMAs, and take the
+ * CPU's widest vectors (16 lanes on AVX-512).
  *
  * Measured timings of these choices: docs/benchmarks.md ("Kernel and forward timings").
  */

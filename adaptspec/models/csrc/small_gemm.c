@@ -4,7 +4,7 @@
  * rows by every weight matrix: the time is the time to stream the weights from memory. A
  * BLAS GEMM packs panels for an arithmetic intensity small M does not have and streams the
  * weights slower as soon as there are 2+ rows, so verifying 5 tokens cost well over
- * decoding 1. This kernel streams each weight once, whatever M is (8-row tiles run over a
+ * decoding 1. This kernel streams each weight once, whatever M is (tiles of TR rows run over a
  * weight block while it is in cache).
  *
  * Layout: W is packed by ``adaptspec.models.cpu_gemm.pack`` into column blocks of 32,
@@ -19,8 +19,9 @@
  * Building with -DADAPTSPEC_PREFETCH=<bytes> puts the L1 prefetch back, for CPUs where it
  * helps.
  *
- * Written with GCC vector extensions, so it builds to AVX-512, AVX2 or NEON from one
- * source (-O3 -march=native). Threads: OpenMP over column blocks.
+ * Written with GCC vector extensions of the target's native width (VW, below), so it builds
+ * to AVX-512, AVX2 or NEON from one source (-O3 -march=native). Threads: OpenMP over column
+ * blocks.
  *
  * bf16 on CPUs with AVX512_BF16 (``adaptspec_bf16_pairs() == 1``): a second layout, pairs,
  * wp[nb][ceil(I / 2)][32][2], the two weights of rows 2p and 2p + 1 of a column side by side,
@@ -49,51 +50,76 @@
 #else
 #define PF_AHEAD 0
 #endif
-typedef float v16f __attribute__((vector_size(64)));
-typedef uint32_t v16u __attribute__((vector_size(64)));
+/* Vectors of the target's native width, NV of them to a block row of 32 columns. GCC lowers
+   a generic vector wider than the hardware's through the stack (every broadcast and every
+   accumulator stored and reloaded): 64-byte vectors on an AVX2 CPU ran 7-20x slower than
+   torch's GEMV. TR: rows a tile runs over a block at once, as many as keep the accumulators
+   (TR x NV), the block row's NV weights and the broadcast in registers (32 zmm on AVX-512,
+   16 ymm on AVX2 or xmm on SSE, 32 q-registers on NEON). Each row is computed alone (the same
+   operations in the same order whatever M and TR are). */
+#if defined(__AVX512F__)
+#define VW 16
+#define TR 8
+#elif defined(__AVX__)
+#define VW 8
+#define TR 2
+#elif defined(__ARM_NEON) || defined(__aarch64__)
+#define VW 4
+#define TR 3
+#else
+#define VW 4
+#define TR 1
+#endif
+#define NV (BW / VW)
+typedef float vf __attribute__((vector_size(VW * 4)));
+typedef uint32_t vu __attribute__((vector_size(VW * 4)));
+/* the same, at any address (plain loads and stores; a memcpy into an array of vectors kept
+   GCC from holding the array in registers) */
+typedef float vf_u __attribute__((vector_size(VW * 4), aligned(4)));
+typedef uint32_t vu_u __attribute__((vector_size(VW * 4), aligned(2)));
 
-/* The 32 weights of one row of a block, as two vectors of 16 (columns 0-15 and 16-31). */
-static inline void load_f32x2(const float* p, v16f* lo, v16f* hi) {
-    memcpy(lo, p, sizeof *lo);
-    memcpy(hi, p + 16, sizeof *hi);
+/* The 32 weights of one row of a block, as NV vectors in column order. */
+static inline void load_f32(const float* p, vf* w) {
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; v++) w[v] = *(const vf_u*)(p + v * VW);
 }
 
 /* bf16 blocks are stored interleaved: element 2j of a row's 32 is column j and element
-   2j + 1 is column 16 + j. One 64-byte load read as 16 uint32 then has column j in the low
+   2j + 1 is column 16 + j. A 64-byte load read as 16 uint32 then has column j in the low
    and column 16 + j in the high half of lane j, and a shift and a mask widen both exactly:
    no shuffles (a plain 16 -> 32 bit conversion costs three shuffle-port operations per 16
-   weights on AVX-512, which kept the loop below memory speed). */
-static inline void load_bf16x2(const uint16_t* p, v16f* lo, v16f* hi) {
-    v16u u;
-    memcpy(&u, p, sizeof u);
-    v16u a = u << 16, b = u & 0xFFFF0000u;
-    memcpy(lo, &a, sizeof a);
-    memcpy(hi, &b, sizeof b);
+   weights on AVX-512, which kept the loop below memory speed). Narrower vectors take the
+   64 bytes in NV / 2 loads: load q holds columns q * VW.. in its low and 16 + q * VW.. in
+   its high halves. */
+static inline void load_bf16(const uint16_t* p, vf* w) {
+#pragma GCC unroll 8
+    for (int q = 0; q < NV / 2; q++) {
+        vu u = *(const vu_u*)(p + q * 2 * VW);
+        w[q] = (vf)(u << 16);
+        w[NV / 2 + q] = (vf)(u & 0xFFFF0000u);
+    }
 }
 
 #define KERNEL(R, NAME, WT, LOAD, LINES)                                               \
     static void NAME##_##R(int I, const float* x, int ldx, const WT* w, float* y,      \
                            int ldy, int bw) {                                          \
-        v16f a0[R], a1[R];                                                             \
-        for (int r = 0; r < R; r++) {                                                  \
-            a0[r] = (v16f){0};                                                         \
-            a1[r] = (v16f){0};                                                         \
-        }                                                                              \
+        vf a[R][NV];                                                                   \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++)                            \
+            _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) a[r][v] = (vf){0};    \
         for (int i = 0; i < I; i++) {                                                  \
             for (int l = 0; PF_AHEAD && l < LINES; l++) /* off unless built with it */  \
                 __builtin_prefetch(w + (int64_t)i * BW + (PF_AHEAD + 64 * l) / sizeof(WT), 0, 3); \
-            v16f w0, w1;                                                               \
-            LOAD(w + (int64_t)i * BW, &w0, &w1);                                       \
-            for (int r = 0; r < R; r++) {                                              \
+            vf wv[NV];                                                                 \
+            LOAD(w + (int64_t)i * BW, wv);                                             \
+            _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                      \
                 float xs = x[(int64_t)r * ldx + i];                                    \
-                a0[r] += xs * w0;                                                      \
-                a1[r] += xs * w1;                                                      \
+                _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++) a[r][v] += xs * wv[v]; \
             }                                                                          \
         }                                                                              \
-        for (int r = 0; r < R; r++) {                                                  \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                          \
             float tmp[BW];                                                             \
-            memcpy(tmp, &a0[r], 64);                                                   \
-            memcpy(tmp + 16, &a1[r], 64);                                              \
+            _Pragma("GCC unroll 8") for (int v = 0; v < NV; v++)                       \
+                *(vf_u*)(tmp + v * VW) = a[r][v];                                      \
             memcpy(y + (int64_t)r * ldy, tmp, (size_t)bw * sizeof(float));             \
         }                                                                              \
     }
@@ -104,15 +130,19 @@ static inline void load_bf16x2(const uint16_t* p, v16f* lo, v16f* hi) {
     KERNEL(5, NAME, WT, LOAD, LN) KERNEL(6, NAME, WT, LOAD, LN)                        \
     KERNEL(7, NAME, WT, LOAD, LN) KERNEL(8, NAME, WT, LOAD, LN)
 
-ALL(kf32, float, load_f32x2, 2)
-ALL(kbf16, uint16_t, load_bf16x2, 1)
+ALL(kf32, float, load_f32, 2)
+ALL(kbf16, uint16_t, load_bf16, 1)
 
 typedef void (*kfn_f32)(int, const float*, int, const float*, float*, int, int);
 typedef void (*kfn_bf16)(int, const float*, int, const uint16_t*, float*, int, int);
 static const kfn_f32 KF32[9] = {0, kf32_1, kf32_2, kf32_3, kf32_4, kf32_5, kf32_6, kf32_7, kf32_8};
 static const kfn_bf16 KBF16[9] = {0, kbf16_1, kbf16_2, kbf16_3, kbf16_4, kbf16_5, kbf16_6, kbf16_7, kbf16_8};
 
-int adaptspec_small_gemm_version(void) { return 4; }
+int adaptspec_small_gemm_version(void) { return 5; }
+
+/* The vector width the library was built for (floats) and the rows of a tile. */
+int adaptspec_small_gemm_lanes(void) { return VW; }
+int adaptspec_small_gemm_tile_rows(void) { return TR; }
 
 /* 1 when the bf16 pair layout (VDPBF16PS) is compiled in. */
 int adaptspec_bf16_pairs(void) { return HAVE_DPBF16; }
@@ -163,7 +193,7 @@ static const kfn_dp KDP[9] = {0, kdp_1, kdp_2, kdp_3, kdp_4, kdp_5, kdp_6, kdp_7
 #endif
 
 /* y[M, O] (row stride ldy) = x[M, I] (row stride ldx) @ W; wp packed as above. Each thread
-   takes whole column blocks and runs every 8-row tile of x over a block while the block
+   takes whole column blocks and runs every tile of TR rows of x over a block while the block
    (I x 32 weights, 36-72 KB) stays in its cache: the weights come from memory once.
    layout: 0 fp32 blocks, 1 bf16 blocks (interleaved halves), 2 bf16 pairs (see the top;
    only where adaptspec_bf16_pairs() says so, otherwise nothing is written). */
@@ -191,8 +221,8 @@ void adaptspec_small_gemm(int M, int I, int O, const float* x, int ldx, const vo
     for (int b = 0; b < nb; b++) {
         const int j0 = b * BW;
         const int bw = O - j0 < BW ? O - j0 : BW;
-        for (int m0 = 0; m0 < M; m0 += 8) {
-            const int R = M - m0 < 8 ? M - m0 : 8;
+        for (int m0 = 0; m0 < M; m0 += TR) {
+            const int R = M - m0 < TR ? M - m0 : TR;
             float* yr = y + (int64_t)m0 * ldy + j0;
 #if HAVE_DPBF16
             if (layout == 2) {
