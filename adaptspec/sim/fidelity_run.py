@@ -566,6 +566,12 @@ def machine() -> str:
             f"({torch.get_num_threads()} threads)")
 
 
+def _cpu_kernel() -> str:
+    from adaptspec.models import cpu_gemm
+
+    return cpu_gemm.status()
+
+
 def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict]:
     import csv
 
@@ -638,6 +644,7 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     save_live(out / "live_runs.json", {p: runs for p, (runs, _) in live.items()}, cost.profile)
     meta = {
         "date": started.isoformat(timespec="seconds"), "machine": machine(), "code": code_version(),
+        "cpu_kernel": _cpu_kernel(),
         # the engine's TTFT (a service path's Row.path_s) counts from the request's posting to the
         # engine loop, the wait for the step in progress included (simulate_and_report's round trip)
         "engine_ttft_from": "posted",

@@ -178,8 +178,11 @@ def run_bench(cfg: BenchConfig, json_path: str | None = None) -> list[BenchRow]:
 
 
 def _write_json(path: str, cfg: BenchConfig, rows: list[BenchRow]) -> None:
+    from adaptspec.models import cpu_gemm
+
+    # which CPU kernel the CPU rows ran on (its vector width, or why torch ran instead)
     meta = {"machine": _cpu_name(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "date": time.strftime("%Y-%m-%d"), "config": asdict(cfg)}
+            "cpu_kernel": cpu_gemm.status(), "date": time.strftime("%Y-%m-%d"), "config": asdict(cfg)}
     with open(path, "w") as f:
         json.dump({"meta": meta, "rows": [asdict(r) for r in rows]}, f, indent=1)
 

@@ -114,3 +114,15 @@ def test_bench_repeats_run_every_chunk_again(tiny_dir, tiny_draft_dir, monkeypat
     cfg.repeats = 0
     with pytest.raises(ValueError, match="repeats"):
         bench.run_bench(cfg)
+
+
+def test_the_json_names_the_cpu_kernel_the_rows_ran_on(tmp_path):
+    """A bench result from a CPU says which kernel its CPU rows used (width, or why torch)."""
+    import json
+
+    from adaptspec.models import cpu_gemm
+    from adaptspec.tools import bench
+
+    bench._write_json(str(tmp_path / "b.json"), bench.BenchConfig(target="x"), [])
+    meta = json.loads((tmp_path / "b.json").read_text())["meta"]
+    assert meta["cpu_kernel"] == cpu_gemm.status() and meta["cpu_kernel"]

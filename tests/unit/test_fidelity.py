@@ -725,6 +725,7 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
     for name in ("fidelity.png", "acceptance.json", "prompt_set.csv", "scenario.yaml", "profile.json"):
         assert (out / name).stat().st_size > 0
     # the prompt set the simulator ran is the one sent: a row per prompt, in the file's order
+    assert data["meta"]["cpu_kernel"].startswith(("on (", "off", "no C compiler", "build/load", "self-check", "C "))
     assert json.loads((out / "prompts.json").read_text()) == pools and data["meta"]["prompts"] == str(
         tmp_path / "prompts.json")
     ps_rows = (out / "prompt_set.csv").read_text().splitlines()[1:]
