@@ -174,7 +174,7 @@ def _load() -> None:
         _declare_layer_ops(lib)
         lib.adaptspec_bf16_pairs.restype = ctypes.c_int
         pairs = bool(lib.adaptspec_bf16_pairs())
-        shape = f"{lib.adaptspec_small_gemm_lanes()}-float vectors, tiles of {lib.adaptspec_small_gemm_tile_rows()} rows"
+        lanes, tile = lib.adaptspec_small_gemm_lanes(), lib.adaptspec_small_gemm_tile_rows()
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         _status = f"build/load failed ({e}): torch matmul"
         return
@@ -185,7 +185,8 @@ def _load() -> None:
         _lib, _pairs_built = None, False
         _status = f"self-check failed ({bad}): torch matmul"
         return
-    _status = f"on ({out.name}, {shape}{', bf16 dot products' if _pairs_built and BF16_DOT else ''})"
+    _status = (f"on ({out.name}, {lanes}-float vectors, tiles of {tile} rows"
+               f"{', bf16 dot products' if _pairs_built and BF16_DOT else ''})")
 
 
 def _declare_layer_ops(lib: ctypes.CDLL) -> None:

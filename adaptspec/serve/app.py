@@ -69,8 +69,8 @@ def target_options(config: ServiceConfig) -> dict:
     full, each proxy holds up to ``max_queued_requests`` calls until one frees, then answers
     RESOURCE_EXHAUSTED. Serve's router counts a call as queued until it is assigned, replicas
     with room or not, so a burst of more calls than that arriving at once can be refused while
-    places are open (seen with a limit of 2 on a loaded 2-core box): keep it above the bursts
-    clients send (the default, engine.max_queued, is 64). Stats, policy and health calls count as ongoing requests too: on a
+    places are open: keep it above the bursts clients send (the default, engine.max_queued, is
+    64). Stats, policy and health calls count as ongoing requests too: on a
     deployment whose every replica is full they wait their turn (the Kubernetes probes go to
     the proxies, not here). Autoscaling, when configured, aims at ``target_ongoing_requests``
     per replica (default: the KV slots, so a replica is added as requests start to wait)."""

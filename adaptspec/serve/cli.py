@@ -329,8 +329,8 @@ def loadtest(
                                                                "(the app's route /<app> is added; --start: its port)"),
     api_key: Optional[str] = typer.Option(None, envvar="OPENAI_API_KEY",
                                           help="API key, sent over HTTP and gRPC (gRPC without it: $ADAPTSPEC_API_KEY)"),
-    prompts: Optional[str] = typer.Option(None, help="the requests' prompts: corpus:N[:SEED] (N a class from the "
-                                          "held-out split of the offline distillation corpus) or a JSON file "
+    prompts: Optional[str] = typer.Option(None, help="the requests' prompts: corpus:N[:SEED] (N a class from "
+                                          "the held-out split of the offline distillation corpus) or a JSON file "
                                           "{class: [prompt, ...]}; default: the bench prompts (eight a class)"),
     json_path: Optional[str] = typer.Option(None, "--json", help="write results to this JSON file"),
 ) -> None:
@@ -344,8 +344,7 @@ def loadtest(
     console = _console()
     class_list = [c for c in classes.split(",") if c]
     spec = LoadSpec(class_list, max_tokens, slo_ttft, slo_tpot, prompt_tokens=_span(prompt_tokens, "--prompt-tokens"),
-                    prompts=load_prompts(prompts, class_list))
-    prompts_from = prompts or "bench"
+                    prompts=load_prompts(prompts, class_list), prompts_from=prompts or "bench")
     levels = load_levels(concurrency, rate, arrival, burstiness, think_time, think, arrival_seed)
     results = []
     over = probed = bg = None
@@ -358,7 +357,7 @@ def loadtest(
         if bad:
             raise ValueError(f"--in-process: {', '.join(bad)} need the service (no Serve runs in-process)")
         return _loadtest_in_process(config, torch_threads, levels, [p for p in policies.split(",") if p], spec,
-                                    duration, warmup, rounds, fresh, json_path, console, prompts_from)
+                                    duration, warmup, rounds, fresh, json_path, console)
     if start:
         from adaptspec.serve.config import load_config
 
@@ -412,7 +411,7 @@ def loadtest(
     if overhead_only:
         if json_path:
             with open(json_path, "w") as f:
-                f.write(as_json([], over, probed, prompts_from))
+                f.write(as_json([], over, probed, spec.prompts_from))
         return
     t = Table(title="loadtest")
     for col in ("policy", "conc.", "req", "err", "tok/s", "goodput req/s", "TTFT p50/p99", "TPOT p50/p99",
@@ -429,7 +428,7 @@ def loadtest(
         console.print(line)
     if json_path:
         with open(json_path, "w") as f:
-            f.write(as_json(results, over, probed, prompts_from))
+            f.write(as_json(results, over, probed, spec.prompts_from))
         console.print(f"wrote {json_path}")
 
 
@@ -522,7 +521,7 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
 
 
 def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration, warmup, rounds, fresh, json_path,
-                         console, prompts_from: str = "bench") -> None:
+                         console) -> None:
     from rich.progress import Progress
     from rich.table import Table
 
@@ -575,7 +574,7 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
             ct.add_row(row["verify_tokens"], str(row["steps"]), f"{row['predicted_ms']:.1f}", f"{row['measured_ms']:.1f}")
         console.print(ct)
     if json_path:
-        data = json.loads(as_json(results, prompts=prompts_from))
+        data = json.loads(as_json(results, prompts=spec.prompts_from))
         for lv in data["levels"]:
             lv["decode_tokens_per_s"] = per_decode_s.get((lv["policy"], lv["level"]), 0.0)
             lv["step_p50_s"], lv["step_max_s"] = svc.step_wall(lv["policy"], lv["level"])

@@ -48,9 +48,10 @@ def load_prompts(source: str | None, classes: list[str]) -> dict[str, list[str]]
     if source.startswith("corpus:"):
         from adaptspec.distill.corpus import CLASSES, build_corpus
 
+        parts = source.split(":")[1:]
         try:
-            n, seed = (int(x) for x in (source.split(":")[1:] + ["0"])[:2])
-            if len(source.split(":")) > 3 or n < 1 or seed < 0:
+            n, seed = int(parts[0]), int(parts[1]) if len(parts) > 1 else 0
+            if len(parts) > 2 or n < 1 or seed < 0:
                 raise ValueError
         except ValueError:
             raise ValueError(f"--prompts: corpus:N or corpus:N:SEED (N >= 1 prompts a class), got {source!r}") from None
@@ -154,6 +155,7 @@ class LoadSpec:
     # uniform(lo, hi) tokens (long documents arriving among running requests); None: as is
     prompt_tokens: tuple[int, int] | None = None
     prompts: dict[str, list[str]] | None = None  # each class's prompt pool (load_prompts); None: the bench's
+    prompts_from: str = "bench"  # where they came from (--prompts), as results record it
 
     def pools(self) -> dict[str, list[str]]:
         return self.prompts if self.prompts is not None else bench_prompts()

@@ -45,9 +45,9 @@ def fidelity(
     rounds: int = typer.Option(1, help="live runs per level and policy, interleaved"),
     fresh: bool = typer.Option(False, "--fresh", help="start each run's policy afresh (live and simulated)"),
     max_tokens: int = typer.Option(64, help="max_tokens of every request"),
-    prompts: Optional[str] = typer.Option(None, help="the requests' prompts, as loadtest's --prompts: corpus:N[:SEED] "
-                                                     "or a JSON file {class: [prompt, ...]}; default: the bench prompts "
-                                                     "(the folder keeps them as sent: prompts.json)"),
+    prompts: Optional[str] = typer.Option(None, help="the requests' prompts, as loadtest's --prompts: "
+                                                     "corpus:N[:SEED] or a JSON file {class: [prompt, ...]}; default: "
+                                                     "the bench prompts (the folder keeps them as sent: prompts.json)"),
     profile: Optional[str] = typer.Option(None, help="use this step-cost profile JSON instead of calibrating "
                                                      "(with --resimulate: instead of the run's)"),
     calibrate_repeats: int = typer.Option(3, help="timed steps per calibration point"),

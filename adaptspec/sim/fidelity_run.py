@@ -101,9 +101,10 @@ def rows_from_records(records) -> list[Row]:
 
 
 def build_prompt_set(engine, classes: list[str], live: dict, max_tokens: int, prompts: dict | None = None):
-    """Per class, each prompt's (``prompts``, the load's pools; None: the bench prompts) (prompt tokens by the engine's tokenizer, output tokens
-    as the live requests of that prompt ended: their median, ``max_tokens`` for a prompt that
-    never finished live; prompt tokens the prefix cache served them: their median). Returns
+    """Per class, for each prompt of ``prompts`` (the load's pools; None: the bench prompts):
+    its prompt tokens by the engine's tokenizer, its output tokens as its live requests ended
+    (their median; ``max_tokens`` for a prompt that never finished live) and the prompt tokens
+    the prefix cache served them (their median). Returns
     the ``PromptSet`` (uncached prompt tokens: the simulator has no prefix cache) and its CSV
     rows (request_class, num_prefill_tokens, num_decode_tokens, num_cached_tokens)."""
     from adaptspec.serve.loadtest import bench_prompts
@@ -566,22 +567,18 @@ def machine() -> str:
             f"({torch.get_num_threads()} threads)")
 
 
-def _cpu_kernel() -> str:
-    from adaptspec.models import cpu_gemm
-
-    return cpu_gemm.status()
-
-
 def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict]:
     import csv
 
+    from adaptspec.models import cpu_gemm
     from adaptspec.serve.config import load_config
     from adaptspec.serve.inprocess import InProcessService
     from adaptspec.serve.loadtest import LoadSpec, load_prompts
     from adaptspec.sim.acceptance_replay import AcceptanceRecorder
 
     cfg = load_config(opts.config)
-    spec = LoadSpec(list(opts.classes), opts.max_tokens, prompts=load_prompts(opts.prompts, list(opts.classes)))
+    spec = LoadSpec(list(opts.classes), opts.max_tokens, prompts=load_prompts(opts.prompts, list(opts.classes)),
+                    prompts_from=opts.prompts or "bench")
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     # the prompts as sent: `--prompts out/prompts.json` sends them again
@@ -644,7 +641,7 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     save_live(out / "live_runs.json", {p: runs for p, (runs, _) in live.items()}, cost.profile)
     meta = {
         "date": started.isoformat(timespec="seconds"), "machine": machine(), "code": code_version(),
-        "cpu_kernel": _cpu_kernel(),
+        "cpu_kernel": cpu_gemm.status(),
         # the engine's TTFT (a service path's Row.path_s) counts from the request's posting to the
         # engine loop, the wait for the step in progress included (simulate_and_report's round trip)
         "engine_ttft_from": "posted",
@@ -654,7 +651,7 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
         "profile": str(profile_path), "levels": [_level_json(x) for x in opts.levels], "policies": opts.policies,
         "classes": list(opts.classes), "duration_s": opts.duration_s, "warmup_s": opts.warmup_s,
         "rounds": opts.rounds, "max_tokens": opts.max_tokens, "sim_seeds": opts.sim_seeds,
-        "prompts": opts.prompts or "bench",
+        "prompts": spec.prompts_from,
         "acceptance_steps": recorder.steps, "controller_cost_check": cost_check,
         "sim_limits": {k: getattr(cost.profile, k) for k in ("max_num_seqs", "kv_capacity_tokens",
                                                              "max_batched_tokens")},
