@@ -228,7 +228,7 @@ def test_fp32_blas_copy_takes_prefills_and_one_row_only_when_asked(monkeypatch):
 @needs_kernel
 def test_the_kernel_is_built_for_the_cpus_own_vector_width():
     """GCC lowers generic vectors wider than the hardware's through the stack: 16-float
-    vectors on an AVX2 CPU made the kernel 7-20x slower than torch. The library must be built
+    vectors on an AVX2 CPU made the kernel several times slower than torch. The library must be built
     for the width the CPU has."""
     from pathlib import Path
 

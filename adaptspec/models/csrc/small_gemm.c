@@ -52,8 +52,8 @@
 #endif
 /* Vectors of the target's native width, NV of them to a block row of 32 columns. GCC lowers
    a generic vector wider than the hardware's through the stack (every broadcast and every
-   accumulator stored and reloaded): 64-byte vectors on an AVX2 CPU ran 7-20x slower than
-   torch's GEMV. TR: rows a tile runs over a block at once, as many as keep the accumulators
+   accumulator stored and reloaded): 64-byte vectors on an AVX2 CPU ran several times slower
+   than torch's matmuls. TR: rows a tile runs over a block at once, as many as keep the accumulators
    (TR x NV), the block row's NV weights and the broadcast in registers (32 zmm on AVX-512,
    16 ymm on AVX2 or xmm on SSE, 32 q-registers on NEON). Each row is computed alone (the same
    operations in the same order whatever M and TR are). */
