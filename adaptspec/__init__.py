@@ -5,8 +5,17 @@ controller and simulator (``adaptspec.control``, ``adaptspec.sim``) import witho
 """
 from __future__ import annotations
 
+import json
+from importlib import resources
+
 __version__ = "0.1.0"
-__all__ = ["Engine", "SamplingParams", "SpecConfig"]
+__all__ = ["Engine", "SamplingParams", "SpecConfig", "bench_prompts"]
+
+
+def bench_prompts() -> dict[str, list[str]]:
+    """The shipped prompt set, {class: [prompt]}: what `adaptspec bench` and the load test send
+    by default, and what the distillation corpus holds out."""
+    return json.loads(resources.files("adaptspec").joinpath("data/bench_prompts.json").read_text())
 
 
 def __getattr__(name: str):

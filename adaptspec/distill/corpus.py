@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from adaptspec import bench_prompts
+
 CLASSES = ("chat", "code_edit", "extraction")
 
 _CODE_EDITS = (
@@ -70,9 +72,8 @@ def _shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
 
 
 def _bench_shingles() -> set[tuple[str, ...]]:
-    prompts = json.loads(resources.files("adaptspec").joinpath("data/bench_prompts.json").read_text())
     out: set[tuple[str, ...]] = set()
-    for ps in prompts.values():
+    for ps in bench_prompts().values():
         for p in ps:
             out |= _shingles(p)
     return out

@@ -110,13 +110,13 @@ def generate_phase(plan: Plan, console=None) -> None:
     """The benchmark's prompts (the final held-out set), held-out and training prompts,
     answered greedily by the target."""
     from adaptspec.distill.data import generate
-    from adaptspec.tools.bench import load_prompts
+    from adaptspec import bench_prompts
 
     plan.run.mkdir(parents=True, exist_ok=True)
     _, _, order, held_order = _prompts(plan)
     eng = _engine(plan)
     common = dict(samples=0, max_prompt_tokens=plan.max_prompt_tokens, console=console)
-    bench = [(c, p) for c, ps in load_prompts().items() for p in ps]
+    bench = [(c, p) for c, ps in bench_prompts().items() for p in ps]
     generate(eng, {}, plan.run / "bench.pt", tokens=10**9, seed=plan.seed + 2, max_new_tokens=96,
              label="benchmark answers", order=bench, **common)
     generate(eng, {}, plan.run / "held_out.pt", tokens=plan.held_out_tokens, seed=plan.seed + 1,

@@ -26,15 +26,11 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 
 import numpy as np
 
+from adaptspec import bench_prompts
 from adaptspec.serve.client import Client
-
-
-def bench_prompts() -> dict[str, list[str]]:
-    return json.loads(resources.files("adaptspec.data").joinpath("bench_prompts.json").read_text())
 
 
 def load_prompts(source: str | None, classes: list[str]) -> dict[str, list[str]] | None:

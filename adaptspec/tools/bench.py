@@ -34,13 +34,13 @@ import json
 import platform
 import time
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 
 import torch
 from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
+from adaptspec import bench_prompts
 from adaptspec.clierr import console as _console
 from adaptspec.engine.stats import StepStats
 
@@ -86,10 +86,6 @@ class BenchRow:
     verify_cost: float | None = None  # a decode step less its drafting, over a plain decode step (bound: 1)
 
 
-def load_prompts() -> dict[str, list[str]]:
-    return json.loads(resources.files("adaptspec").joinpath("data/bench_prompts.json").read_text())
-
-
 def analytic_bound(a: float, k: int, c: float) -> float:
     """Expected speedup of k candidates at acceptance a and cost ratio c (Leviathan et al.)."""
     tokens = k + 1 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
@@ -131,7 +127,7 @@ def run_bench(cfg: BenchConfig, json_path: str | None = None) -> list[BenchRow]:
     from adaptspec.models.registry import DEFAULT_DRAFT
 
     con = _console()
-    prompts = load_prompts()
+    prompts = bench_prompts()
     classes = cfg.classes or list(prompts)
     for c in classes:
         if c not in prompts:

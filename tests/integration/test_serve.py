@@ -374,7 +374,8 @@ def test_background_probes_count_their_calls(service):
 
 def test_loadtest_command_over_grpc_interleaves_policies_and_restores_the_deployed_one(service, tmp_path):
     """``adaptspec loadtest`` against the running service: a level per policy, every request
-    answered, the policy switched by UpdatePolicy and switched back at the end."""
+    answered, the policy switched by UpdatePolicy and switched back at the end; prompts from a
+    file (``--prompts``), which the JSON names."""
     import json
 
     from typer.testing import CliRunner
@@ -384,14 +385,18 @@ def test_loadtest_command_over_grpc_interleaves_policies_and_restores_the_deploy
     _, client = service
     _wait_for(lambda: _idle(client), "an idle replica")
     deployed = client.policy().policy
-    out = tmp_path / "lt.json"
+    out, pools = tmp_path / "lt.json", tmp_path / "pools.json"
+    pools.write_text(json.dumps({"chat": ["Say hello."], "code_edit": ["Fix: def f(: pass"],
+                                 "extraction": ["Name the city: I live in Oslo.", "List the numbers: 3 apples, 4 pears."]}))
     # replicas take a new policy's arms at their next report (0.1 s here): a second of warm-up
     # lets the requests that ran on the previous policy's arms finish before the window
     res = CliRunner().invoke(app, ["loadtest", "--address", client.address, "--concurrency", "2", "--duration", "1.0",
-                                   "--warmup", "1.0", "--max-tokens", "8", "--rounds", "2",
+                                   "--warmup", "1.0", "--max-tokens", "8", "--rounds", "2", "--prompts", str(pools),
                                    "--policies", "static:none:0,static:ngram:2", "--json", str(out)])
     assert res.exit_code == 0, res.output
-    levels = json.loads(out.read_text())["levels"]
+    got = json.loads(out.read_text())
+    assert got["prompts"] == str(pools)  # the file says where its requests' prompts came from
+    levels = got["levels"]
     assert [(x["policy"], x["concurrency"]) for x in levels] == [("static:none:0", 2), ("static:ngram:2", 2)]
     for lv in levels:
         assert lv["requests"] > 0 and lv["errors"] == 0

@@ -61,7 +61,7 @@ def test_bench_interleaves_methods_and_checks_exactness(tiny_dir, tiny_draft_dir
     from adaptspec.tools import bench
 
     calls = []
-    monkeypatch.setattr(bench, "load_prompts", lambda: {"a": ["t1 t2 t3", "t4 t5", "t6 t7 t8 t9"], "b": ["t2 t2"]})
+    monkeypatch.setattr(bench, "bench_prompts", lambda: {"a": ["t1 t2 t3", "t4 t5", "t6 t7 t8 t9"], "b": ["t2 t2"]})
     real = bench._HF.generate
     monkeypatch.setattr(bench._HF, "generate", lambda self, ch, n, **kw: (calls.append(("hf", len(ch))),
                                                                             real(self, ch, n, **kw))[1])
@@ -96,7 +96,7 @@ def test_bench_repeats_run_every_chunk_again(tiny_dir, tiny_draft_dir, monkeypat
     from adaptspec.tools import bench
     from adaptspec.engine.engine import Engine
 
-    monkeypatch.setattr(bench, "load_prompts", lambda: {"a": ["t1 t2 t3", "t4 t5"]})
+    monkeypatch.setattr(bench, "bench_prompts", lambda: {"a": ["t1 t2 t3", "t4 t5"]})
     order = []
     gen = Engine.generate
     monkeypatch.setattr(Engine, "generate", lambda self, ps, params=None, spec=None, **kw: (
