@@ -925,7 +925,12 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
         (out / "step_shapes.json").write_text(json.dumps(
             [{"path": p, "policy": pol, "level": lv, "rows": rows} for (p, pol, lv), rows in tables.items()],
             indent=1, default=lambda x: None))
-    (out / "scenario.yaml").write_text(yaml.safe_dump(scenario_yaml(opts, cfg, str(Path(meta["profile"]).resolve()),
+    # the profile by a path relative to the folder when it lies inside it (a calibration this run
+    # took), so the folder can move (into docs/results/, say) and its scenario still runs
+    profile = Path(meta["profile"]).resolve()
+    if profile.is_relative_to(out.resolve()):
+        profile = profile.relative_to(out.resolve())
+    (out / "scenario.yaml").write_text(yaml.safe_dump(scenario_yaml(opts, cfg, str(profile),
                                                                     recording, "acceptance.json", "prompt_set.csv"),
                                                       sort_keys=False))
     return cells, goal_list, meta

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 from pathlib import Path
 from types import SimpleNamespace as NS
 
 import numpy as np
 import pytest
+import yaml
 
 from adaptspec.sim.acceptance_replay import AcceptanceFile, AcceptanceRecorder, RecordedAcceptance
 from adaptspec.sim.fidelity import ALL, Row, Run, goals, make_cell, side_metrics, tokens_in_window
@@ -742,8 +744,10 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
     assert set(gap) == {"*", "thompson", "static:ngram:2"}
     assert gap["*"]["gaps"] == gap["thompson"]["gaps"] + gap["static:ngram:2"]["gaps"] > 0 and gap["*"]["mean_s"] > 0
     assert data["meta"]["host_gap"]["thompson"]["a_s"] == gap["thompson"]["a_s"]
-    # the scenario it wrote runs with `adaptspec simulate`
-    res = CliRunner().invoke(app, ["simulate", str(out / "scenario.yaml")])
+    # the scenario it wrote runs with `adaptspec simulate`, from wherever the folder is moved to
+    assert yaml.safe_load((out / "scenario.yaml").read_text())["hardware"]["profile_file"] == "profile.json"
+    moved = shutil.copytree(out, tmp_path / "moved")
+    res = CliRunner().invoke(app, ["simulate", str(moved / "scenario.yaml")])
     assert res.exit_code == 0, res.output
     # the live runs simulated again from the folder (nothing live): the same live side, the
     # simulated side without the host's time between steps or the cache replay this time
@@ -762,7 +766,6 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
     assert bad.exit_code != 0 and "--resimulate" in bad.output
     # a results folder keeps its live runs gzipped: the same live side from the .gz
     import gzip
-    import shutil
 
     packed = tmp_path / "packed"
     shutil.copytree(out, packed)
