@@ -1,4 +1,4 @@
-"""Run every scenario of this folder for seeds 0-2; write results/<scenario>.seed<N>.json.
+"""Run every scenario of this folder for seeds 0-2; write results/<scenario>.seed<N>.json.gz.
 
     nice -n 19 .venv/bin/python simulations/run_all.py [--seeds 0,1,2] [--only name,...] [--force]
     nice -n 19 .venv/bin/python simulations/run_all.py --kinds thompson   # re-run one policy kind
@@ -24,14 +24,16 @@ ONE_SEED = {"speed_hour_20rps"}
 
 def splice(target: Path, new: dict) -> None:
     """Replace ``target``'s runs of the same (policy, level) by ``new``'s."""
-    old = json.loads(target.read_text())
+    from adaptspec.sim.report import read_json_file, write_json_file
+
+    old = read_json_file(target)
     key = lambda r: (r["policy"], r.get("rate_rps"), r.get("clients"))  # noqa: E731
     fresh = {key(r): r for r in new["runs"]}
     old["runs"] = [fresh.pop(key(r), r) for r in old["runs"]]
     if fresh:
         raise SystemExit(f"{target.name}: runs not in the old results: {sorted(map(str, fresh))[:3]}")
     old["policy_notes"].update(new.get("policy_notes", {}))
-    target.write_text(json.dumps(old, indent=1))
+    write_json_file(old, target)
 
 
 def main() -> int:
@@ -61,7 +63,7 @@ def main() -> int:
                 continue
             sc = sc.model_copy(update={"policies": picked})
         for seed in seeds[:1] if name in ONE_SEED else seeds:
-            target = out / f"{name}.seed{seed}.json"
+            target = out / f"{name}.seed{seed}.json.gz"
             if kinds:
                 if not target.exists():
                     print(f"{name} seed {seed}: no results to splice into (run it whole first)", flush=True)

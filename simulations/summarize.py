@@ -1,4 +1,4 @@
-"""Print the markdown tables and goal checks of REPORT.md from simulations/results/*.json.
+"""Print the markdown tables and goal checks of REPORT.md from simulations/results/*.json.gz.
 
     .venv/bin/python simulations/summarize.py > /tmp/summary.md
 
@@ -7,6 +7,7 @@ Every number comes from the JSON that ``simulations/run_all.py`` (``adaptspec si
 """
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 from pathlib import Path
@@ -22,8 +23,8 @@ COLLAPSED = 0.5  # a level where the oracle keeps under half the requests within
 
 
 def load(name: str, seed: int) -> dict | None:
-    p = HERE / "results" / f"{name}.seed{seed}.json"
-    return json.loads(p.read_text()) if p.exists() else None
+    p = HERE / "results" / f"{name}.seed{seed}.json.gz"
+    return json.loads(gzip.decompress(p.read_bytes())) if p.exists() else None
 
 
 def results(name: str):

@@ -1,6 +1,7 @@
 """Reports of a scenario's runs: text tables, JSON, PNG plots (matplotlib, Agg backend)."""
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from dataclasses import asdict
@@ -57,9 +58,26 @@ def markdown_table(head: list[str], rows: list[list[str]]) -> str:
 
 
 def write_json(result: ScenarioResult, path: str | Path) -> None:
+    """The result as JSON; gzipped where ``path`` ends in ``.gz`` (a sweep's runs with their
+    timelines take megabytes, a tenth of that gzipped)."""
     data = {"scenario": result.scenario, "policy_notes": result.policy_notes,
             "runs": [asdict(r) for r in result.runs]}
-    Path(path).write_text(json.dumps(data, indent=1, default=lambda x: None))
+    write_json_file(data, path)
+
+
+def write_json_file(data: dict, path: str | Path) -> None:
+    """``data`` as indented JSON at ``path``, gzipped where the name ends in ``.gz``."""
+    text = json.dumps(data, indent=1, default=lambda x: None)
+    if str(path).endswith(".gz"):
+        Path(path).write_bytes(gzip.compress(text.encode(), mtime=0))
+    else:
+        Path(path).write_text(text)
+
+
+def read_json_file(path: str | Path) -> dict:
+    """What ``write_json_file`` wrote (gzipped or not, by the name)."""
+    raw = Path(path).read_bytes()
+    return json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw)
 
 
 def plot(result: ScenarioResult, folder: str | Path) -> list[Path]:

@@ -1,10 +1,12 @@
 """`adaptspec simulate` end to end on a tiny scenario (the sim area's own typer app)."""
+import gzip
 import json
 
 import typer
 from typer.testing import CliRunner
 
 from adaptspec.sim.cli import register
+from adaptspec.sim.report import read_json_file
 
 SCENARIO = """
 name: tiny
@@ -43,6 +45,14 @@ def test_simulate_writes_json_and_plots(tmp_path):
     assert sorted(p.name for p in (tmp_path / "fig").iterdir()) == [
         "tiny-goodput.png", "tiny-k-over-time.png", "tiny-latency-cdf.png"]
     assert "decisions" in res.output
+    # a name ending in .gz: the same runs, gzipped (how the shipped scenarios' results are kept)
+    res = CliRunner().invoke(app(), ["simulate", str(s), "--json", str(tmp_path / "r.json.gz"), "--seed", "3"])
+    assert res.exit_code == 0, res.output
+    raw = (tmp_path / "r.json.gz").read_bytes()
+    packed = json.loads(gzip.decompress(raw))
+    assert raw[:2] == b"\x1f\x8b" and read_json_file(tmp_path / "r.json.gz") == packed
+    simulated = lambda d: [(r["policy"], r["rate_rps"], r["output_token_throughput"]) for r in d["runs"]]  # noqa: E731
+    assert simulated(packed) == simulated(data)  # the same seed: the same runs (wall times aside)
 
 
 def test_simulate_reports_a_bad_scenario_by_key(tmp_path):
