@@ -7,10 +7,10 @@ Every number comes from the JSON that ``simulations/run_all.py`` (``adaptspec si
 """
 from __future__ import annotations
 
-import gzip
-import json
 import sys
 from pathlib import Path
+
+from adaptspec.sim.report import read_json_file
 
 HERE = Path(__file__).resolve().parent
 SEEDS = (0, 1, 2)
@@ -24,7 +24,7 @@ COLLAPSED = 0.5  # a level where the oracle keeps under half the requests within
 
 def load(name: str, seed: int) -> dict | None:
     p = HERE / "results" / f"{name}.seed{seed}.json.gz"
-    return json.loads(gzip.decompress(p.read_bytes())) if p.exists() else None
+    return read_json_file(p) if p.exists() else None
 
 
 def results(name: str):

@@ -17,7 +17,8 @@ def register(app: typer.Typer) -> None:
         scenario: Path = typer.Argument(..., help="scenario YAML"),
         policy: Optional[List[str]] = typer.Option(None, "--policy", "-p", help="run only these policies (labels)"),
         seed: Optional[int] = typer.Option(None, "--seed", help="override the scenario's seed"),
-        json_path: Optional[Path] = typer.Option(None, "--json", help="write all metrics as JSON (gzipped where the name ends in .gz)"),
+        json_path: Optional[Path] = typer.Option(None, "--json",
+                                                 help="write all metrics as JSON (gzipped where the name ends in .gz)"),
         plot_dir: Optional[Path] = typer.Option(None, "--plot", help="write PNG plots into this folder"),
         per_class: bool = typer.Option(True, help="also print the per-class table"),
     ) -> None:

@@ -927,9 +927,9 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
             indent=1, default=lambda x: None))
     # the profile by a path relative to the folder when it lies inside it (a calibration this run
     # took), so the folder can move (into docs/results/, say) and its scenario still runs
-    profile = Path(meta["profile"]).resolve()
-    if profile.is_relative_to(out.resolve()):
-        profile = profile.relative_to(out.resolve())
+    profile, folder = Path(meta["profile"]).resolve(), out.resolve()
+    if profile.is_relative_to(folder):
+        profile = profile.relative_to(folder)
     (out / "scenario.yaml").write_text(yaml.safe_dump(scenario_yaml(opts, cfg, str(profile),
                                                                     recording, "acceptance.json", "prompt_set.csv"),
                                                       sort_keys=False))
@@ -1014,12 +1014,10 @@ def save_live(path: Path, live: dict, profile=None) -> None:
 def load_live(path: Path) -> dict:
     """``save_live``'s file (or gzipped, ``.gz``: how the results folders keep the large ones);
     versions 1 (no speed probes), 2 (no path delays) and 3 (no step shapes) too."""
-    import gzip
-
+    from adaptspec.sim.report import read_json_file
     from adaptspec.sim.speed_probe import probe_from_json
 
-    path = Path(path)
-    data = json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_text())
+    data = read_json_file(path)
     nan = math.nan
     out: dict = {}
     for p, runs in data["live"].items():

@@ -387,7 +387,8 @@ def test_loadtest_command_over_grpc_interleaves_policies_and_restores_the_deploy
     deployed = client.policy().policy
     out, pools = tmp_path / "lt.json", tmp_path / "pools.json"
     pools.write_text(json.dumps({"chat": ["Say hello."], "code_edit": ["Fix: def f(: pass"],
-                                 "extraction": ["Name the city: I live in Oslo.", "List the numbers: 3 apples, 4 pears."]}))
+                                 "extraction": ["Name the city: I live in Oslo.",
+                                                "List the numbers: 3 apples, 4 pears."]}))
     # replicas take a new policy's arms at their next report (0.1 s here): a second of warm-up
     # lets the requests that ran on the previous policy's arms finish before the window
     res = CliRunner().invoke(app, ["loadtest", "--address", client.address, "--concurrency", "2", "--duration", "1.0",
