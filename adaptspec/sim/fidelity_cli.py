@@ -99,6 +99,10 @@ def fidelity(
                                       help="simulate each run's prompts less the prompt tokens the prefix cache "
                                            "served its live run (no: every run less each prompt's median over all "
                                            "runs; the simulator has no prefix cache)"),
+    median: str = typer.Option("hd", help="how a cell's TTFT and TPOT p50 are estimated: hd (Harrell-Davis, a "
+                                          "weighted mean of every order statistic; steady where a class's prompts "
+                                          "run at two speeds) or sample (the middle value); the other is reported "
+                                          "beside it"),
     resimulate: Optional[Path] = typer.Option(None, help="a folder a fidelity run wrote: simulate its live runs "
                                                          "again (a changed simulator) and report into --out; "
                                                          "runs nothing live (level and policy options are "
@@ -107,6 +111,7 @@ def fidelity(
     """Run one workload live and simulated; per class and level, the relative error of
     throughput, TTFT and TPOT p50/p99, and the arms chosen (a table, JSON and a plot)."""
     from adaptspec.serve.cli import load_levels
+    from adaptspec.sim.fidelity import MEDIANS
     from adaptspec.sim.fidelity_run import SPEED_FROM, FidelityOptions, resimulate as resim, run_fidelity
 
     console = _console()
@@ -114,6 +119,8 @@ def fidelity(
         raise ValueError(f"--probe-tolerance: must be >= 0 (inf: trust every probe), got {probe_tolerance}")
     if speed_from not in SPEED_FROM:
         raise ValueError(f"--speed-from: one of {', '.join(SPEED_FROM)}, got {speed_from!r}")
+    if median not in MEDIANS:
+        raise ValueError(f"--median: one of {', '.join(MEDIANS)}, got {median!r}")
     if resimulate is not None:
         if profile and not Path(profile).is_file():
             raise ValueError(f"--profile: {profile} is not a file")
@@ -124,7 +131,7 @@ def fidelity(
                                        profile=profile, probe=probe, prompt_probe=prompt_probe,
                                        cache_replay=cache_replay, per_prompt=per_prompt,
                                        per_position=per_position, probe_tolerance=probe_tolerance,
-                                       path_delay=path_delay, speed_from=speed_from)
+                                       path_delay=path_delay, speed_from=speed_from, median=median)
         _report(console, cells, goal_list, meta, out)
         return
     levels = load_levels(concurrency, "", think_time=think_time, think=think, seed=arrival_seed) if concurrency else []
@@ -145,7 +152,7 @@ def fidelity(
                            torch_threads=torch_threads, host_gap=host_gap, snapshots=snapshots, probe=probe,
                            prompt_probe=prompt_probe, cache_replay=cache_replay, per_prompt=per_prompt,
                            per_position=per_position, probe_tolerance=probe_tolerance, path_delay=path_delay,
-                           speed_from=speed_from, out=out)
+                           speed_from=speed_from, median=median, out=out)
     if not opts.classes:
         raise ValueError("--classes: at least one class")
     if profile and not Path(profile).is_file():

@@ -76,6 +76,7 @@ class FidelityOptions:
     per_prompt: bool = True  # replay acceptance per prompt where recorded (else per class)
     per_position: bool = True  # and, with it, a step at a position its prompt's live runs settled as it went
     cache_replay: bool = True  # each simulated run prefills what the prefix cache left its live run
+    median: str = "hd"  # the p50s' estimator (``fidelity.median``: "hd" or "sample")
     drain_s: float = 120.0
     grpc: bool = False
     torch_threads: int | None = None
@@ -457,10 +458,11 @@ def delayed(runs: list, d: float) -> list:
     return out
 
 
-def compare(path: str, live: dict, sim: dict, classes: list[str], delays: dict | None = None) -> list[Cell]:
+def compare(path: str, live: dict, sim: dict, classes: list[str], delays: dict | None = None,
+            how: str = "hd") -> list[Cell]:
     """Cells of ``path``'s live runs against the simulated ones; ``delays``: {(policy, level
     label): seconds} of the path outside the engine (``path_delays``), added to the simulated
-    side's token times."""
+    side's token times. ``how``: the p50s' estimator (``fidelity.median``)."""
     cells = []
     for (policy, level), live_runs in live.items():
         if (policy, level) not in sim:
@@ -477,8 +479,9 @@ def compare(path: str, live: dict, sim: dict, classes: list[str], delays: dict |
             h = len(live_runs) // 2  # two equal halves: an odd last round is in neither
             halves = [side_metrics(live_runs[:h], which).top_arm, side_metrics(live_runs[h:2 * h], which).top_arm] \
                 if adaptive and h >= 2 else []
-            cells.append(make_cell(path, policy, level, cls, adaptive, side_metrics(live_runs, which, noise=True),
-                                   side_metrics(sim_runs, which, arms), tops, halves))
+            cells.append(make_cell(path, policy, level, cls, adaptive,
+                                   side_metrics(live_runs, which, noise=True, how=how),
+                                   side_metrics(sim_runs, which, arms, how=how), tops, halves))
     return cells
 
 
@@ -908,10 +911,10 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
                      "path delay after the reply (the path there and back)")
     cells = []
     for path, runs in live.items():
-        cells += compare(path, runs, sims[path], list(opts.classes), delays.get(path))
+        cells += compare(path, runs, sims[path], list(opts.classes), delays.get(path), how=opts.median)
     goal_list = goals(cells)
     first = path_meta[paths[0]]
-    meta = {**meta, "notes": notes, "speed": first["speed"], "prompt_speed": first["prompt_speed"],
+    meta = {**meta, "notes": notes, "median": opts.median, "speed": first["speed"], "prompt_speed": first["prompt_speed"],
             "position_replay": replay, "host_gap": first["host_gap"],
             "sim_snapshots_s": cfg.controller.report_interval_s if opts.snapshots else None,
             "path_delay_s": {p: {f"{pol} {lv}": d for (pol, lv), d in per.items()} for p, per in delays.items()},
@@ -1039,7 +1042,7 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
                profile: str | None = None, probe: bool = True, prompt_probe: bool = True,
                cache_replay: bool = True, per_prompt: bool = True, per_position: bool = True,
                probe_tolerance: float = 0.1, path_delay: bool = True,
-               speed_from: str = "probes") -> tuple[list[Cell], list, dict]:
+               speed_from: str = "probes", median: str = "hd") -> tuple[list[Cell], list, dict]:
     """The simulated side again, against the live runs a fidelity run left in ``src``
     (``live_runs.json`` or ``.json.gz``, ``acceptance.json``, ``prompt_set.csv``, its profile): for a changed
     simulator, without the live runs (and the quiet machine) they took. ``profile``: another
@@ -1076,7 +1079,7 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
                            sim_seeds=sim_seeds or meta["sim_seeds"], host_gap=host_gap, snapshots=snapshots,
                            probe=probe, prompt_probe=prompt_probe, cache_replay=cache_replay, per_prompt=per_prompt,
                            per_position=per_position, probe_tolerance=probe_tolerance, path_delay=path_delay,
-                           speed_from=speed_from, out=Path(out))
+                           speed_from=speed_from, median=median, out=Path(out))
     if profile is not None:
         meta = {**meta, "profile": str(profile), "profile_measured": meta["profile"]}
     profile = Path(meta["profile"])
