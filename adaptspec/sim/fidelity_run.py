@@ -914,7 +914,8 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
         cells += compare(path, runs, sims[path], list(opts.classes), delays.get(path), how=opts.median)
     goal_list = goals(cells)
     first = path_meta[paths[0]]
-    meta = {**meta, "notes": notes, "median": opts.median, "speed": first["speed"], "prompt_speed": first["prompt_speed"],
+    meta = {**meta, "notes": notes, "median": opts.median, "speed": first["speed"],
+            "prompt_speed": first["prompt_speed"],
             "position_replay": replay, "host_gap": first["host_gap"],
             "sim_snapshots_s": cfg.controller.report_interval_s if opts.snapshots else None,
             "path_delay_s": {p: {f"{pol} {lv}": d for (pol, lv), d in per.items()} for p, per in delays.items()},
