@@ -16,13 +16,12 @@ window, the simulated steps that ended in it.
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterable
-
-import functools
 
 import numpy as np
 
