@@ -62,9 +62,11 @@ for self_, x_, cost_ in seen[len(seen) // 4:]:
     L = x_.curves.lengths[np.arange(len(names))[None, :], X]
     Ts.append((nb[None, :] * L).sum(axis=1) / s.goodput)
 Ts = np.array(Ts)
-print("planner step ms, plan A / B:", np.round(1e3 * Ts.mean(axis=0), 2), "ratio B/A %.4f" % float((Ts[:, 1] / Ts[:, 0]).mean()))
+print("planner step ms, plan A / B:", np.round(1e3 * Ts.mean(axis=0), 2),
+      "ratio B/A %.4f" % float((Ts[:, 1] / Ts[:, 0]).mean()))
 statics = [p for p in sc.policies if runner.policy_label(p).startswith("static")]
 res2 = run_closed_loop(sc, base, statics, seed=0)
 for r in res2.runs:
-    print(r.policy[:60], "req/s %.3f" % r.request_throughput, "steps", r.steps, "mean step ms %.2f" % (1e3 * r.simulated_s / r.steps),
+    print(r.policy[:60], "req/s %.3f" % r.request_throughput, "steps", r.steps,
+          "mean step ms %.2f" % (1e3 * r.simulated_s / r.steps),
           "tok/step %.2f" % (r.output_token_throughput * r.simulated_s / r.steps))
