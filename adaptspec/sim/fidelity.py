@@ -65,12 +65,17 @@ def median(xs, how: str = "hd") -> float:
     shares (22.4 and 23.7 ms): docs/results/2026-12-04-median.md."""
     if how not in MEDIANS:
         raise ValueError(f"median: one of {MEDIANS}, got {how!r}")
-    x = np.sort(np.asarray(xs, dtype=float))
+    x = np.asarray(xs, dtype=float)
     if x.size == 0:
         return math.nan
     if how == "sample" or x.size == 1:
         return float(np.median(x))
-    return float(x @ _hd_weights(x.size))
+    return float(np.sort(x) @ _hd_weights(x.size))
+
+
+def other_median(how: str) -> str:
+    """The estimator of ``MEDIANS`` that is not ``how`` (reported beside it)."""
+    return next(m for m in MEDIANS if m != how)
 
 
 # ---- one side, one cell ----------------------------------------------------------------------
@@ -195,7 +200,7 @@ def side_metrics(runs: Iterable[Run], request_class: str | None,
     total = sum(arms.values())
     share = {a: n / total for a, n in sorted(arms.items(), key=lambda kv: -kv[1])} if total > 0 else {}
     steps, wall, busy = (sum(getattr(r, f) for r in runs) for f in ("steps", "step_wall_s", "busy_s"))
-    other = next(m for m in MEDIANS if m != how)
+    other = other_median(how)
     return SideMetrics(done, tokens / seconds if seconds > 0 else math.nan, median(ttft, how), pct(ttft, 99),
                        median(tpot, how), pct(tpot, 99), share, next(iter(share), "-"),
                        1e3 * wall / steps if steps else math.nan, busy / seconds if steps and seconds > 0 else math.nan,
@@ -377,7 +382,7 @@ def goals(cells: list[Cell]) -> list[Goal]:
         if metric in NOISE_METRICS and per_class and per_class[0].live.other_p50:
             other = [rel_error(c.sim.other_p50.get(metric, math.nan), c.live.other_p50.get(metric, math.nan))
                      for c in per_class]
-            detail += (f" (by the {_MEDIAN_NAMES[next(m for m in MEDIANS if m != per_class[0].live.median)]}: "
+            detail += (f" (by the {_MEDIAN_NAMES[other_median(per_class[0].live.median)]}: "
                        f"{sum(not math.isnan(e) and abs(e) <= bound for e in other)}/{len(per_class)})")
         out.append(Goal(f"{metric} within {100 * bound:.0f}%", bool(per_class) and not misses, detail, misses))
     adaptive = [c for c in per_class if c.adaptive]

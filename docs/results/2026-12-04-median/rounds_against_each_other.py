@@ -12,27 +12,10 @@ and how many cells' rounds lie within the fidelity goal's bound of each other (1
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
-from adaptspec.sim.fidelity import BOUNDS, median
+from adaptspec.sim.fidelity import BOUNDS, side_metrics
 from adaptspec.sim.fidelity_run import load_live
-
-
-def per_request(run, cls: str) -> tuple[list[float], list[float]]:
-    """(TTFTs, TPOTs) of the requests of ``cls`` that finished in the run's window, as
-    ``fidelity.side_metrics`` takes them."""
-    w0, w1 = run.window
-    ttft, tpot = [], []
-    for r in run.rows:
-        if r.request_class != cls or r.cut or r.error or r.tokens <= 0 or math.isnan(r.end_s):
-            continue
-        if not w0 <= r.end_s <= w1:
-            continue
-        ttft.append(r.first_token_s - r.start_s)
-        if r.tokens > 1:
-            tpot.append((r.end_s - r.first_token_s) / (r.tokens - 1))
-    return ttft, tpot
 
 
 def main() -> None:
@@ -51,18 +34,19 @@ def main() -> None:
                 continue
             classes = sorted({r.request_class for r in rs[0].rows})
             for cls in classes:
-                (t1, p1), (t2, p2) = per_request(rs[0], cls), per_request(rs[1], cls)
-                if len(p1) < 2 or len(p2) < 2:
+                # each round's medians as the report takes them: HD, the sample median beside it
+                r1, r2 = side_metrics([rs[0]], cls), side_metrics([rs[1]], cls)
+                if r1.requests < 2 or r2.requests < 2:
                     continue
                 cells += 1
-                for m, xs, ys in (("tpot_p50", p1, p2), ("ttft_p50", t1, t2)):
-                    for how in ("sample", "hd"):
-                        x, y = median(xs, how), median(ys, how)
+                for m in ("tpot_p50", "ttft_p50"):
+                    for how, (x, y) in (("hd", (r1.value(m), r2.value(m))),
+                                        ("sample", (r1.other_p50[m], r2.other_p50[m]))):
                         agree[(m, how)] += abs(y - x) / x <= BOUNDS[m]
                 if cls == a.show_class:
-                    shown.append(f"| {path} | {policy} | {level} | {len(p1)} / {len(p2)} | "
-                                 f"{1e3 * median(p1, 'sample'):.1f} / {1e3 * median(p2, 'sample'):.1f} | "
-                                 f"{1e3 * median(p1):.1f} / {1e3 * median(p2):.1f} |")
+                    shown.append(f"| {path} | {policy} | {level} | {r1.requests} / {r2.requests} | "
+                                 f"{1e3 * r1.other_p50['tpot_p50']:.1f} / {1e3 * r2.other_p50['tpot_p50']:.1f} | "
+                                 f"{1e3 * r1.tpot_p50:.1f} / {1e3 * r2.tpot_p50:.1f} |")
     print(f"{cells} cells with two live rounds; rounds 1 and 2 within the goal's bound of each other:")
     for m in ("tpot_p50", "ttft_p50"):
         print(f"  {m} (within {100 * BOUNDS[m]:.0f}%): sample median {agree[(m, 'sample')]}/{cells}, "
