@@ -29,7 +29,10 @@ waits grow without bound as theta* nears 1, and Poisson arrivals need slack, but
 served within its TPOT target is worth more than reserve) and falling steeply for a class whose target fails
 at the operating load; among assignments within 1% of the best credit (under light load, all
 that keep the targets), the most tokens per second from the batch as it is now, which is the
-throughput of a closed loop of clients and the same goodput for open arrivals. While requests
+throughput of a closed loop of clients and the same goodput for open arrivals. Its step time is
+the mean over the compositions a step of that batch takes (``_step_spread``), not the time of
+the mean composition: where the step-cost curve bends over a few requests' tokens, a plan whose
+steps vary more in size costs more than its mean step. While requests
 wait for admission the demand seen is what was served, not what arrived, so the replica runs
 at its capacity: the credit is each class's share of it. A class whose TPOT target no
 assignment meets even alone drops out of the constraints (it misses whatever the others do).
@@ -41,8 +44,12 @@ arm with the others held, plus every arm for all classes at once, for a few roun
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
+from itertools import combinations
+from math import comb
 
 import numpy as np
+from scipy.special import gammaln
 
 from adaptspec.control.types import CONF_BINS, NO_SPEC, Arm, ClassTarget, StepOutcome
 
@@ -302,6 +309,65 @@ def _capacity(u: np.ndarray, T: np.ndarray, theta: np.ndarray, slack: np.ndarray
     return np.where(cross, np.maximum(cap, u_x / T_x), cap), ok
 
 
+SPREAD_EXACT = 128  # up to this many compositions a step's spread is enumerated; past it a quadrature
+# Gauss-Hermite nodes and weights for E[f(Z)], Z standard normal (probabilists'): nine points
+# follow a piecewise-linear step-cost table's bends as well as a smooth curve
+_GH_Z, _GH_W = np.polynomial.hermite_e.hermegauss(9)
+_GH_W = _GH_W / _GH_W.sum()
+
+
+@lru_cache(maxsize=64)
+def _integer_compositions(n: int, c: int) -> np.ndarray:
+    """[M, c] every way to split ``n`` requests among ``c`` classes."""
+    rows = []
+    for bars in combinations(range(n + c - 1), c - 1):
+        edges = (-1,) + bars + (n + c - 1,)
+        rows.append([edges[i + 1] - edges[i] - 1 for i in range(c)])
+    return np.array(rows, dtype=float).reshape(-1, c)
+
+
+def _step_spread(nb: np.ndarray, verify: np.ndarray, reach: np.ndarray, ngram: np.ndarray):
+    """The steps a batch of ``nb`` [C] mean requests per class takes, under each row's arms (each
+    class's verify tokens [R, C], draft reach [R, C, K] and n-gram use [R, C] per request): verify
+    tokens [R, M], requests [M], draft batch [R, M, K], n-gram requests [R, M], chances [M].
+
+    Each request of the batch is of class c with chance nb_c / n (multinomial), and the total is
+    the seen one, split between its floor and ceiling. Up to ``SPREAD_EXACT`` compositions, each
+    with its chance; past that (tens of requests of several classes, where the composition is near
+    normal and a class's share varies as 1 / sqrt(n)) a quadrature over the verify tokens' normal
+    spread, the rest at its mean (linear in the counts, or nearly so at that size)."""
+    C = nb.size
+    n = float(nb.sum())
+    lo = int(np.floor(n))
+    frac = n - lo
+    p = nb / n
+    if n >= 1.0 and C > 1 and comb(lo + C, C - 1) <= SPREAD_EXACT:
+        parts, chances = [], []
+        for total, weight in ((lo, 1.0 - frac), (lo + 1, frac)):
+            if weight > 0.0:
+                k = _integer_compositions(total, C)  # [M, C]
+                log_pmf = gammaln(total + 1.0) - gammaln(k + 1.0).sum(axis=1) + k @ np.log(p)
+                parts.append(k)
+                chances.append(weight * np.exp(log_pmf))
+        k = np.concatenate(parts)
+    else:
+        k = nb[None, :]  # the mean composition, spread below along the verify tokens
+        chances = [np.ones(1)]
+    V = verify @ k.T  # [R, M]
+    D = np.einsum("mc,rck->rmk", k, reach)
+    G = ngram @ k.T
+    prob = np.concatenate(chances)
+    counts = k.sum(axis=1)
+    if len(k) == 1 and C > 1 and n >= 1.0:
+        var = n * ((p * verify ** 2).sum(axis=1) - ((p * verify).sum(axis=1)) ** 2)  # [R]
+        V = np.maximum(V + np.sqrt(np.maximum(var, 0.0))[:, None] * _GH_Z[None, :], 0.0)  # [R, 9]
+        D = np.repeat(D, len(_GH_Z), axis=1)
+        G = np.repeat(G, len(_GH_Z), axis=1)
+        prob = _GH_W
+        counts = np.full(len(_GH_Z), n)
+    return V, counts, D, G, prob
+
+
 @dataclass(slots=True)
 class Planner:
     table: ArmTable
@@ -438,17 +504,23 @@ class Planner:
         theta = u[None, :] / T
         # the batch as it is now (each class's requests seen per step) under each row's arms
         nb = x.batch if x.batch is not None and x.batch.sum() > 0 else w / w.sum() * max(x.in_system, 1.0)
-        nb = np.maximum(nb, 1e-3)[None, :]
-        V_now = (nb * Vx).sum(axis=1) + (0.0 if chunked else x.prefill_per_step)
-        now = (ctx * nb.sum(axis=1), (nb[:, :, None] * reach).sum(axis=1), (nb * ng).sum(axis=1), ctx)
-        T_now = np.asarray(cost.step_time(V_now, *now), dtype=float)
+        nb = np.maximum(nb, 1e-3)
+        V_now, n_now, D_now, G_now, prob = _step_spread(nb, Vx, reach, ng)  # [R, M], [M], [R, M, K], [R, M], [M]
+        V_now = V_now + (0.0 if chunked else x.prefill_per_step)
+        now = (ctx * n_now[None, :], D_now, G_now, ctx)
+        # the mean step over the compositions a step takes, not the step of the mean composition:
+        # the verify curve bends where a few requests' tokens are added, so a plan whose steps
+        # vary more in size (a class with long proposals, a step holding 0-4 of its requests)
+        # costs more than its mean step's price (issue #25)
+        T_now = np.asarray(cost.step_time(V_now, *now), dtype=float) @ prob
         if chunked:  # time share of the chunks, at the rate seen: T_dec / (1 - rate c)
             chunk = np.minimum(x.chunk_tokens, max(float(self.max_batched_tokens or np.inf), 1.0))
-            busy = x.prefill_rate / chunk * (np.asarray(cost.step_time(V_now + chunk, *now), dtype=float) - T_now)
+            T_chunk = np.asarray(cost.step_time(V_now + chunk, *now), dtype=float) @ prob
+            busy = x.prefill_rate / chunk * (T_chunk - T_now)
             T_now = T_now / np.maximum(1.0 - busy, 0.05)
         if share > 0:
             T_now = T_now / (1.0 - share)
-        goodput = (nb * Lx).sum(axis=1) / T_now
+        goodput = (nb[None, :] * Lx).sum(axis=1) / T_now
         # how far each grid point is inside the replica's limits (>= 0: within them), in
         # relative units so that the tighter limit decides
         slack = np.ones_like(T)

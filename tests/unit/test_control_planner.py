@@ -225,3 +225,62 @@ def test_a_plan_is_redone_at_once_when_a_class_stops_emitting_what_its_arm_shoul
         pol.observe(step(0))
     pol.choose("x", Load(8))
     assert pol.plans > plans, arm
+
+
+class Cliff:
+    """A verify curve with a cliff: up to six tokens 1 s, more 2 s (a CPU's verify table is
+    flat, then steep, over a few requests' tokens)."""
+
+    def step_time(self, verify, context, draft, ngram, mean_context):
+        return np.where(np.asarray(verify, dtype=float) <= 6.0, 1.0, 2.0)
+
+
+def _mean_step_by_sampling(batch, verify_per_request, cost, draws=200_000, seed=0):
+    """The mean step of a batch whose requests are each of class c with chance batch_c / n and
+    whose total is n's floor or ceiling (by its fraction), by drawing steps."""
+    rng = np.random.default_rng(seed)
+    n = float(np.sum(batch))
+    totals = np.floor(n) + (rng.random(draws) < n - np.floor(n))
+    counts = np.stack([rng.multinomial(int(t), np.asarray(batch) / n) for t in totals])
+    return float(np.mean(cost.step_time(counts @ verify_per_request, 0, 0, 0, 0)))
+
+
+def test_the_step_of_the_batch_seen_is_priced_over_its_compositions():
+    """Two classes, 1 and 3 verify tokens a request, 1.5 and 1.2 of each in a step: steps of
+    2-3 requests fall on both sides of the cliff. The planner's step time is the mean over the
+    compositions (drawn here by sampling); the step of the mean composition (4.8 tokens: 1 s) is
+    the negative control that misses it by far."""
+    table = ArmTable.build(("draft",), 2)
+    d2 = table.index(Arm("draft", 2))
+    batch = np.array([1.5, 1.2])
+    x = PlanInputs(["a", "b"], _curves(table, [0.5, 0.5]), np.array([1.0, 1.0]), 0.0, 0.0, 0.0, False, 0.0, batch)
+    s = Planner(table, {}).evaluate(np.array([[0, d2]]), x, Cliff())
+    step = float((batch * x.curves.lengths[[0, 1], [0, d2]]).sum() / s.goodput[0])
+    want = _mean_step_by_sampling(batch, np.array([1.0, 3.0]), Cliff())
+    assert step == pytest.approx(want, rel=0.01)
+    assert Cliff().step_time(batch @ np.array([1.0, 3.0]), 0, 0, 0, 0) == 1.0  # control: the mean composition's step
+    assert abs(step - 1.0) > 0.2
+
+
+@pytest.mark.parametrize("n", [9.4, 30.6])
+def test_large_batches_are_priced_by_a_quadrature_that_agrees_with_enumeration(n, monkeypatch):
+    """Past ``SPREAD_EXACT`` compositions the spread is a normal quadrature over the verify
+    tokens: on a smooth convex curve it agrees with the full enumeration within 0.5%, where the
+    mean composition (the control) misses by more."""
+    import adaptspec.control.planner as planner
+
+    def curve(v):
+        return 0.05 + 1e-4 * v ** 2
+
+    batch = np.array([0.5, 0.3, 0.2]) * n
+    verify = np.array([[1.0, 3.0, 9.0], [2.0, 2.0, 5.0]])  # two rows of arms
+    reach, ngram = np.zeros((2, 3, 1)), np.zeros((2, 3))
+    monkeypatch.setattr(planner, "SPREAD_EXACT", 10 ** 6)
+    V, _, _, _, prob = planner._step_spread(batch, verify, reach, ngram)
+    exact = curve(V) @ prob
+    monkeypatch.setattr(planner, "SPREAD_EXACT", 1)
+    V, _, _, _, prob = planner._step_spread(batch, verify, reach, ngram)
+    assert prob.size == 9  # the quadrature
+    assert curve(V) @ prob == pytest.approx(exact, rel=0.005)
+    mean = curve(verify @ batch)
+    assert (np.abs(mean / exact - 1.0) > 0.005).any()
