@@ -69,11 +69,15 @@ def draft_batch(draft_other: np.ndarray, n_class: float, k_draft: np.ndarray) ->
     return draft_other[None, :] + n_class * (np.arange(K)[None, :] < k_draft[:, None])
 
 
-def verify_features(verify_tokens: np.ndarray, context_tokens: float) -> np.ndarray:
-    """[A] tokens -> [A, 2 + len(VERIFY_KNOTS) + 1] design matrix."""
+def verify_features(verify_tokens: np.ndarray, context_tokens: float,
+                    shape: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """[A] tokens -> [A, 2 + len(VERIFY_KNOTS) (+ 1 with ``shape``) + 1] design matrix.
+    ``shape``: a prior's verify curve (tokens, seconds), one more column, its value."""
     n = np.asarray(verify_tokens, dtype=float)
     cols = [np.ones_like(n), n * _TOK]
     cols += [np.maximum(n - kt, 0.0) * _TOK for kt in VERIFY_KNOTS]
+    if shape is not None:
+        cols.append(np.interp(n, *shape))
     cols.append(np.full_like(n, context_tokens * _CTX))
     return np.stack(cols, axis=-1)
 
@@ -153,7 +157,7 @@ _BASIS = verify_features(_XS, 0.0)[:, :-1]  # the verify curve at its knots, per
 class OnlineStepCost:
     """Step cost learned online from observed steps; no offline profile required.
 
-    verify_s ~ piecewise-linear(verify_tokens) + c * context_tokens;
+    verify_s ~ piecewise-linear(verify_tokens) [+ a * the prior's verify curve] + c * context_tokens;
     draft_s ~ d0 * forwards + d1 * drafted tokens + d2 * drafted tokens * context + g * n-gram requests;
     other_s ~ discounted mean. Optionally seeded from a profile (``seed_from``).
 
@@ -168,6 +172,8 @@ class OnlineStepCost:
     draft: _DiscountedRidge = field(init=False)
     other_s: float = field(init=False, default=0.0)
     prefill_s: float = field(init=False, default=0.0)  # mean per step of a separate prefill pass
+    # the seeding profile's verify curve (tokens, seconds), a column of the verify fit: see seed_from
+    _shape: tuple[np.ndarray, np.ndarray] | None = field(init=False, default=None)
     _other_w: float = field(init=False, default=0.0)
     steps: int = field(init=False, default=0)
     _stale: bool = field(init=False, default=True)
@@ -183,16 +189,30 @@ class OnlineStepCost:
         self.verify = _DiscountedRidge(dv, self.discount, self.prior_weight, np.zeros(dv))
         self.draft = _DiscountedRidge(4, self.discount, self.prior_weight, np.zeros(4))
 
-    def seed_from(self, model: StepCostModel, *, max_tokens: int = 4096, max_k: int = 8, weight: float = 0.05) -> None:
-        """Seed the prior with pseudo-steps predicted by ``model`` (e.g. a profile)."""
+    def seed_from(self, model: StepCostModel, *, max_tokens: int = 4096, max_k: int = 8, weight: float = 0.05,
+                  keep_shape: bool = True) -> None:
+        """Seed the prior with pseudo-steps predicted by ``model`` (e.g. a profile);
+        ``keep_shape``: its verify curve also becomes a column of the fit (see below)."""
         n = np.unique(np.geomspace(1, max_tokens, 24).astype(int)).astype(float)
         none = np.zeros(n.size)
         # the profile's fixed per-step overhead is the "other" part here, learned on its own:
         # seeded there, not into the verify curve (predict adds other_s to it)
         overhead = float(getattr(model, "step_overhead_s", 0.0))
+        # The profile's verify curve itself becomes a column of the fit, so the learned curve keeps
+        # its steps: a CPU's matrix kernels work in blocks of rows, and the pass over 9 tokens took
+        # 28% longer than over 8 (SmolLM2 fp32, AVX2), where the hinges at 8, 16, ... spread such a
+        # step over the segment and priced one more request's token at 20 times its cost. The live
+        # steps then fit its scale (another machine's profile: a slower or faster copy of it).
+        if keep_shape and self.steps == 0 and self._shape is None:
+            grid = np.unique(np.concatenate([np.arange(1.0, 65.0), np.geomspace(64, max_tokens, 24).round()]))
+            empty = np.zeros(grid.size)
+            curve = model.predict(grid, 0.0, np.zeros(max_k), 0.0, empty, empty, 0.0) - overhead
+            self._shape = (grid, np.asarray(curve, dtype=float))
+            dv = 4 + len(VERIFY_KNOTS)
+            self.verify = _DiscountedRidge(dv, self.discount, self.prior_weight, np.zeros(dv))
         for ctx in (0.0, 256.0 * 64, 2048.0 * 128):
             t0 = model.predict(n, ctx, np.zeros(max_k), 0.0, none, none, ctx / 64) - overhead
-            self.verify.seed(verify_features(n, ctx), t0, weight)
+            self.verify.seed(verify_features(n, ctx, self._shape), t0, weight)
         self.other_s, self._other_w = overhead, 1.0  # one pseudo-step: the first real ones replace it
         b = np.unique(np.geomspace(1, 256, 10).astype(int)).astype(float)
         one = np.ones(b.size)
@@ -206,7 +226,10 @@ class OnlineStepCost:
     def observe(self, step: StepOutcome, draft_batch: np.ndarray, ngram_requests: int, mean_context: float) -> None:
         """draft_batch: [K] requests drafting with the draft model at each position."""
         n = float(step.verify_tokens)
-        xv = [1.0, n * _TOK] + [max(n - kt, 0.0) * _TOK for kt in VERIFY_KNOTS] + [step.context_tokens * _CTX]
+        xv = [1.0, n * _TOK] + [max(n - kt, 0.0) * _TOK for kt in VERIFY_KNOTS]
+        if self._shape is not None:
+            xv.append(float(np.interp(n, *self._shape)))
+        xv.append(step.context_tokens * _CTX)
         self.verify.update(np.array(xv), step.verify_s)
         tokens = float(draft_batch.sum())
         xd = [float(np.count_nonzero(draft_batch)), tokens * _TOK, tokens * mean_context * _CTX, ngram_requests * _TOK]
@@ -222,7 +245,11 @@ class OnlineStepCost:
     def _refresh(self) -> None:
         """Turn the fitted coefficients into an interpolation table (cheap to evaluate)."""
         v = self.verify.coef()
-        self._ys = _BASIS @ v[:-1]
+        if self._shape is None:
+            self._ys = _BASIS @ v[:-1]
+        else:  # the curve at every point where it bends: the knots and the profile's points
+            self._xs = np.union1d(_XS, self._shape[0])
+            self._ys = verify_features(self._xs, 0.0, self._shape)[:, :-1] @ v[:-1]
         self._ctx_coef = v[-1] * _CTX
         self._dl = [float(x) for x in self.draft.coef()]
         self._stale = False

@@ -298,3 +298,37 @@ def test_ema_and_heuristic_count_what_the_drafter_proposed():
     assert heur.k["x"] == 5
     heur.observe(_group_step(Arm("ngram", 5), [5, 5, 1], drafted=15))  # all proposed in full: the majority rule
     assert heur.k["x"] == 7
+
+
+def test_a_seeded_cost_model_keeps_the_profiles_steps_and_learns_its_scale():
+    """A CPU's verify table jumps where a pass needs one more block of rows (here 8 -> 9 tokens:
+    +15 ms). Seeded from it and fed steps of a machine 1.3x slower at 4-8 tokens only, the
+    model prices the ninth token at the slower machine's jump (the profile's column keeps the
+    step, the live steps set its scale). Control: without that column the hinges spread the
+    jump over 8-16 tokens and price it at under half."""
+    from adaptspec.control.costmodel import OnlineStepCost
+    from adaptspec.control.costs import ProfileCostModel, ProfileFile
+
+    tokens = [1.0, 2.0, 4.0, 6.0, 8.0, 9.0, 12.0, 16.0, 64.0]
+    secs = [0.029, 0.032, 0.042, 0.052, 0.054, 0.069, 0.072, 0.088, 0.30]
+    prof = ProfileCostModel(ProfileFile(name="stepped", verify_tokens=tokens, verify_s=secs))
+    slow = ProfileCostModel(ProfileFile(name="slower", verify_tokens=tokens, verify_s=[1.3 * t for t in secs]))
+
+    def fitted(keep_shape):
+        model = OnlineStepCost()
+        model.seed_from(prof, max_k=8, keep_shape=keep_shape)
+        rng = np.random.default_rng(0)
+        for _ in range(600):
+            n = int(rng.integers(4, 9))
+            y = slow.step(n, 0.0, np.zeros(8), 0, 0.0)
+            model.observe(StepOutcome(n, 0, n, 0.0, 0.0, y.verify_s, y.other_s, y.wall_s), np.zeros(8), 0, 0.0)
+
+        def at(n):
+            return float(model.step_time(np.array([n]), np.zeros(1), np.zeros((1, 8)), np.zeros(1), 0.0)[0])
+        return at(8.0), at(9.0) - at(8.0)
+
+    level, jump = fitted(True)
+    assert level == pytest.approx(1.3 * 0.054, rel=0.03)
+    assert jump == pytest.approx(1.3 * 0.015, rel=0.15)
+    level, jump = fitted(False)
+    assert jump < 0.5 * 1.3 * 0.015
