@@ -44,7 +44,7 @@ def main() -> int:
     ap.add_argument("--kinds", default="", help="re-run only these policy kinds, spliced into the existing JSON")
     args = ap.parse_args()
     from adaptspec.sim.report import plot, write_json
-    from adaptspec.sim.runner import run_scenario
+    from adaptspec.sim.runner import policy_label, run_scenario
     from adaptspec.sim.scenario import load_scenario
 
     seeds = [int(s) for s in args.seeds.split(",")]
@@ -57,11 +57,13 @@ def main() -> int:
         if only and name not in only:
             continue
         sc, base = load_scenario(path)
+        only_labels = None
         if kinds:
-            picked = [p for p in sc.policies if p.kind in kinds]
-            if not picked or name in ONE_SEED:
+            # run only these, but keep the scenario's policy list whole: the oracle's candidates
+            # are the scenario's static assignments (a list cut to the kinds left it none to beat)
+            only_labels = [policy_label(p) for p in sc.policies if p.kind in kinds]
+            if not only_labels or name in ONE_SEED:
                 continue
-            sc = sc.model_copy(update={"policies": picked})
         for seed in seeds[:1] if name in ONE_SEED else seeds:
             target = out / f"{name}.seed{seed}.json.gz"
             if kinds:
@@ -72,7 +74,7 @@ def main() -> int:
                 continue
             t0 = time.time()
             try:
-                res = run_scenario(sc, base, seed=seed)
+                res = run_scenario(sc, base, only=only_labels, seed=seed)
             except ValueError as exc:  # e.g. the trace replay without ../shared
                 print(f"{name} seed {seed}: skipped ({exc})", flush=True)
                 break
