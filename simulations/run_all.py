@@ -2,11 +2,13 @@
 
     nice -n 19 .venv/bin/python simulations/run_all.py [--seeds 0,1,2] [--only name,...] [--force]
     nice -n 19 .venv/bin/python simulations/run_all.py --kinds thompson   # re-run one policy kind
+    .venv/bin/python simulations/run_all.py --plots-only [--only name,...]  # redraw figures from the JSON
 
 Resumable: a (scenario, seed) whose JSON exists is skipped unless --force. The figures are
 drawn from seed 0. One scenario at a time, one process: these runs share a 2-core machine.
 ``--kinds`` re-runs only the policies of those kinds (after a change to one policy: every
-other policy's runs do not depend on it) and replaces their runs in the existing JSON.
+other policy's runs do not depend on it) and replaces their runs in the existing JSON (and
+redraws the figures from it).
 """
 from __future__ import annotations
 
@@ -36,12 +38,24 @@ def splice(target: Path, new: dict) -> None:
     write_json_file(old, target)
 
 
+def replot(target: Path) -> None:
+    """Redraw a scenario's figures from its results JSON (``plot`` reads the runs' fields only)."""
+    from types import SimpleNamespace
+
+    from adaptspec.sim.report import plot, read_json_file
+
+    data = read_json_file(target)
+    plot(SimpleNamespace(scenario=data["scenario"], runs=[SimpleNamespace(**r) for r in data["runs"]]),
+         HERE / "figures")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--only", default="")
     ap.add_argument("--force", action="store_true")
     ap.add_argument("--kinds", default="", help="re-run only these policy kinds, spliced into the existing JSON")
+    ap.add_argument("--plots-only", action="store_true", help="redraw the figures from the results JSON (first seed)")
     args = ap.parse_args()
     from adaptspec.sim.report import plot, write_json
     from adaptspec.sim.runner import policy_label, run_scenario
@@ -55,6 +69,12 @@ def main() -> int:
     for path in sorted(HERE.glob("*.yaml")):
         name = path.stem
         if only and name not in only:
+            continue
+        if args.plots_only:
+            target = out / f"{name}.seed{seeds[0]}.json.gz"
+            if target.exists():
+                replot(target)
+                print(f"{name}: figures redrawn from {target.name}", flush=True)
             continue
         sc, base = load_scenario(path)
         only_labels = None
@@ -82,6 +102,8 @@ def main() -> int:
                 with tempfile.TemporaryDirectory() as tmp:
                     write_json(res, Path(tmp) / "new.json")
                     splice(target, json.loads((Path(tmp) / "new.json").read_text()))
+                if seed == seeds[0]:
+                    replot(target)
                 print(f"{name} seed {seed}: {len(res.runs)} runs replaced in {time.time() - t0:.0f} s", flush=True)
                 continue
             write_json(res, target)
