@@ -141,6 +141,22 @@ class ModelBasedThompson(PlanningPolicy):
                 self._faded_at[request_class] = (self._busy_s, self._steps_seen)
         return post
 
+    def learned_acceptance(self, request_class: str) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+        """Per drafter, what the policy believes of a class (for diagnostics, read as it stands,
+        without fading): [max_k] the chance each position's candidate is proposed and accepted
+        given the ones before (posterior mean x proposal rate), and [max_k] the evidence behind it
+        (the posterior's pseudo-counts). Empty for a class not seen yet."""
+        post, prop = self.posteriors.get(request_class), self.proposal.get(request_class)
+        if post is None:
+            return {}
+        out = {}
+        for d, row in self._row.items():
+            acc = post.a[row] / (post.a[row] + post.b[row])
+            if prop is not None:
+                acc = acc * prop.a[row] / (prop.a[row] + prop.b[row])
+            out[d] = (acc, post.a[row] + post.b[row])
+        return out
+
     def _acceptance(self, request_class: str, sample: bool):
         post = self._posterior(request_class)
         D, K = len(self._drafters), self.config.max_k

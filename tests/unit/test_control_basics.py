@@ -332,3 +332,20 @@ def test_a_seeded_cost_model_keeps_the_profiles_steps_and_learns_its_scale():
     assert jump == pytest.approx(1.3 * 0.015, rel=0.15)
     level, jump = fitted(False)
     assert jump < 0.5 * 1.3 * 0.015
+
+
+def test_thompson_reports_what_it_learned_of_a_class():
+    """``learned_acceptance``: per drafter, the first position's chance near the true 0.6 after
+    300 steps of 8 requests (each position accepted with chance 0.6 given the one before), its
+    evidence counted; a class never seen gives nothing."""
+    p = ModelBasedThompson(PolicyConfig(seed=0))
+    rng = np.random.default_rng(1)
+    for i in range(300):
+        acc = np.minimum(rng.geometric(0.4, 8) - 1, 4)
+        reqs = [RequestOutcome(f"{i}-{j}", "chat", "draft", 4, int(a), int(a) + 1) for j, a in enumerate(acc)]
+        p.observe(StepOutcome.from_requests(reqs, batch_size=8, num_prefill=0, verify_tokens=40, context_tokens=8000,
+                                            draft_s=0.004, verify_s=0.01, other_s=0.001, wall_s=0.015))
+    first, seen = p.learned_acceptance("chat")["draft"]
+    assert first[0] == pytest.approx(0.6, abs=0.05) and first[1] == pytest.approx(0.6, abs=0.08)
+    assert seen[0] > 100
+    assert p.learned_acceptance("code") == {}

@@ -48,12 +48,7 @@ def main() -> None:
           "steps seen / true")
     truths = {t.name: t for t in runner.class_truths(sc, base)}
     for cls in (c.name for c in sc.classes):
-        post, prop = p.posteriors[cls], p.proposal.get(cls)
-        for d, row in p._row.items():
-            acc = post.a[row] / (post.a[row] + post.b[row])
-            if prop is not None:
-                acc = acc * prop.a[row] / (prop.a[row] + prop.b[row])
-            seen = post.a[row] + post.b[row]
+        for d, (acc, seen) in p.learned_acceptance(cls).items():
             true = truths[cls].at(0.0)[d].position_probs(K)
             print(f"  {cls:10s} {d:5s} {np.round(acc[:3], 3)} ({np.round(seen[:3]).astype(int)}) / "
                   f"{np.round(true[:3], 3)}")
