@@ -178,6 +178,7 @@ class OnlineStepCost:
     steps: int = field(init=False, default=0)
     _stale: bool = field(init=False, default=True)
     _xs: np.ndarray = field(init=False, default_factory=lambda: _XS)
+    _basis: np.ndarray = field(init=False, default_factory=lambda: _BASIS)  # the verify features at _xs
     _ys: np.ndarray = field(init=False, default=None)
     _ctx_coef: float = field(init=False, default=0.0)
     _dl: list = field(init=False, default=None)
@@ -208,6 +209,9 @@ class OnlineStepCost:
             empty = np.zeros(grid.size)
             curve = model.predict(grid, 0.0, np.zeros(max_k), 0.0, empty, empty, 0.0) - overhead
             self._shape = (grid, np.asarray(curve, dtype=float))
+            # the curve bends at the knots and at the profile's points: evaluate it at all of them
+            self._xs = np.union1d(_XS, grid)
+            self._basis = verify_features(self._xs, 0.0, self._shape)[:, :-1]
             dv = 4 + len(VERIFY_KNOTS)
             self.verify = _DiscountedRidge(dv, self.discount, self.prior_weight, np.zeros(dv))
         for ctx in (0.0, 256.0 * 64, 2048.0 * 128):
@@ -245,11 +249,7 @@ class OnlineStepCost:
     def _refresh(self) -> None:
         """Turn the fitted coefficients into an interpolation table (cheap to evaluate)."""
         v = self.verify.coef()
-        if self._shape is None:
-            self._ys = _BASIS @ v[:-1]
-        else:  # the curve at every point where it bends: the knots and the profile's points
-            self._xs = np.union1d(_XS, self._shape[0])
-            self._ys = verify_features(self._xs, 0.0, self._shape)[:, :-1] @ v[:-1]
+        self._ys = self._basis @ v[:-1]
         self._ctx_coef = v[-1] * _CTX
         self._dl = [float(x) for x in self.draft.coef()]
         self._stale = False

@@ -323,7 +323,9 @@ def _integer_compositions(n: int, c: int) -> np.ndarray:
     for bars in combinations(range(n + c - 1), c - 1):
         edges = (-1,) + bars + (n + c - 1,)
         rows.append([edges[i + 1] - edges[i] - 1 for i in range(c)])
-    return np.array(rows, dtype=float).reshape(-1, c)
+    out = np.array(rows, dtype=float).reshape(-1, c)
+    out.setflags(write=False)  # cached: shared by every later call
+    return out
 
 
 def _step_spread(nb: np.ndarray, verify: np.ndarray, reach: np.ndarray, ngram: np.ndarray):
