@@ -35,6 +35,9 @@ Sections:
   lookup on repetitive prompts (a random model need not repeat them: its acceptance is
   recorded, not judged); each eager and with CUDA graphs (``self_draft_graphs``: the
   target's steps and the draft's k passes replay graphs).
+* ``profile``: where a batch-1 decode step's time goes (``torch.profiler`` over engine steps,
+  with graphs and eager): wall per step, the device's busy time (its kernels and copies),
+  the host's share, the top kernels and host ops.
 * ``summary``: the decode step at batch 1 against the memory-bandwidth floor (bytes one
   decode step reads / the measured copy bandwidth), verify-5 / verify-1, graphs / eager,
   and the goals of issue #23 as met / missed.
@@ -63,8 +66,8 @@ from pathlib import Path
 from typing import Callable
 
 from adaptspec.tools.gpu_speed import (  # noqa: F401  (re-exported: the check's surface)
-    SectionTimeout, bandwidth_section, copy_bandwidth, decode_section, error_record, model_section, relative,
-    spec_section, verify_cost_section,
+    SectionTimeout, bandwidth_section, copy_bandwidth, decode_section, error_record, model_section, profile_section,
+    relative, spec_section, verify_cost_section,
 )
 from adaptspec.tools.gpu_tests import (  # noqa: F401
     cuda_test_files, ensure_kernels_importable, parse_junit, parse_verbose, run_pytest, tests_section,
@@ -289,8 +292,8 @@ def env_section(opts: Options) -> dict:
 
 # ---- the run -------------------------------------------------------------------------------
 
-SECTIONS = ("env", "tests", "bandwidth", "model", "decode", "graphs", "verify_cost", "spec")
-NEEDS_MODEL = ("decode", "graphs", "verify_cost", "spec")
+SECTIONS = ("env", "tests", "bandwidth", "model", "decode", "graphs", "verify_cost", "spec", "profile")
+NEEDS_MODEL = ("decode", "graphs", "verify_cost", "spec", "profile")
 
 
 def estimates(opts: Options) -> dict[str, float]:
@@ -299,7 +302,7 @@ def estimates(opts: Options) -> dict[str, float]:
     if opts.tiny or opts.device == "cpu":
         return {s: 2.0 for s in SECTIONS}
     return {"env": 5, "tests": 60, "bandwidth": 5, "model": 30, "decode": 45, "graphs": 60, "verify_cost": 25,
-            "spec": 60}
+            "spec": 60, "profile": 30}
 
 
 def _release_memory(device: str) -> None:
@@ -341,18 +344,20 @@ class Check:
         self.needs_model = () if runners else NEEDS_MODEL
         self.runners = runners or {
             "env": lambda: env_section(self.opts),
-            "tests": lambda: tests_section(self.opts, self._test_time(), self.shim),
+            "tests": lambda: tests_section(self.opts, self._test_time(), self.shim,
+                                           self.out_path.with_name(self.out_path.stem + "-pytest.log")),
             "bandwidth": lambda: bandwidth_section(self.opts),
             "model": lambda: model_section(self.opts, self.state),
             "decode": lambda: decode_section(self.opts, self.state, graphs=False),
             "graphs": lambda: decode_section(self.opts, self.state, graphs=True),
             "verify_cost": lambda: verify_cost_section(self.opts, self.state),
             "spec": lambda: spec_section(self.opts, self.state),
+            "profile": lambda: profile_section(self.opts, self.state),
         }
 
     def _test_time(self) -> float:
         """The tests get what the budget leaves after the speed sections' estimates."""
-        reserve = sum(self.est[s] for s in ("bandwidth", "model", "decode", "graphs", "verify_cost", "spec"))
+        reserve = sum(self.est[s] for s in ("bandwidth", "model", "decode", "graphs", "verify_cost", "spec", "profile"))
         return self.budget.left() - reserve
 
     def save(self) -> None:
@@ -464,6 +469,14 @@ def table(result: dict) -> str:
                          f"{r['mean_accepted_length']}, acceptance {r['acceptance_rate']}, x{r.get('speedup_over_plain')} "
                          f"over plain" + (f", engine overhead {r['engine_overhead_ms']} ms/step"
                                           if r.get("engine_overhead_ms") is not None else ""))
+    pr = s.get("profile", {})
+    for mode, p in (pr.get("modes") or {}).items():
+        lines.append(f"  profile b1 ({mode}): {p['wall_ms_per_step']} ms/step, device busy {p['device_busy_ms_per_step']} ms, "
+                     f"host {p['host_ms_per_step']} ms")
+        for k in p.get("kernels", [])[:6]:
+            lines.append(f"    {k['ms_per_step']:>8} ms  x{k['calls_per_step']:<6} {k['name'][:80]}")
+        for k in p.get("host_ops", [])[:4]:
+            lines.append(f"    host {k['self_ms_per_step']:>8} ms  x{k['calls_per_step']:<6} {k['name'][:70]}")
     sm = result.get("summary", {})
     lines.append(f"  floor: decode b1 {sm.get('decode_b1_step_ms')} ms vs {sm.get('bandwidth_floor_ms')} ms "
                  f"= {sm.get('decode_b1_over_floor')}x")

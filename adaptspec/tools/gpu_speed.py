@@ -334,3 +334,84 @@ def spec_section(opts, state: dict) -> dict:
     return out
 
 
+
+
+def union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals (the device's busy time when
+    kernels and copies overlap on several streams)."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(intervals):
+        if b <= end:
+            continue
+        total += b - max(a, end)
+        end = b
+    return total
+
+
+def profile_summary(events, steps: int, wall_s: float, top: int = 12) -> dict:
+    """Where the profiled steps' time went: the wall per step, the device's busy time per
+    step (the union of its kernels and copies), the rest (the host's share: Python, launches,
+    waits), the kernels by device time and the host ops by their own CPU time, per step."""
+    from torch.autograd import DeviceType
+
+    dev, host = [], {}
+    for e in events:
+        if e.device_type == DeviceType.CUDA:
+            dev.append(e)
+        elif e.device_type == DeviceType.CPU:
+            h = host.setdefault(e.name, [0, 0.0])
+            h[0] += 1
+            h[1] += e.self_cpu_time_total
+    wall_ms = 1e3 * wall_s / steps
+    out: dict = {"steps": steps, "wall_ms_per_step": round(wall_ms, 4)}
+    if dev:
+        busy = union_us([(e.time_range.start, e.time_range.end) for e in dev]) / 1e3 / steps
+        by_name: dict[str, list] = {}
+        for e in dev:
+            k = by_name.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.time_range.elapsed_us()
+        out.update(device_busy_ms_per_step=round(busy, 4), host_ms_per_step=round(wall_ms - busy, 4),
+                   device_busy_share=round(busy / wall_ms, 4) if wall_ms else None)
+        out["kernels"] = [{"name": n[:100], "calls_per_step": round(c / steps, 2), "ms_per_step": round(us / 1e3 / steps, 4)}
+                          for n, (c, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:top]]
+    else:
+        out.update(device_busy_ms_per_step=None, host_ms_per_step=None, device_busy_share=None, kernels=[])
+    out["host_ops"] = [{"name": n[:100], "calls_per_step": round(c / steps, 2), "self_ms_per_step": round(us / 1e3 / steps, 4)}
+                       for n, (c, us) in sorted(host.items(), key=lambda kv: -kv[1][1])[:top]]
+    return out
+
+
+def profile_section(opts, state: dict) -> dict:
+    """Where a batch-1 decode step's time goes: ``torch.profiler`` over engine steps, with
+    CUDA graphs where they run and eager. A step well above the bandwidth floor is either
+    slow kernels (device busy near the wall) or the host (device idle between them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from adaptspec.engine.params import SamplingParams, SpecConfig
+
+    tgt = state["target"]
+    prompt_len, max_len = _lengths(opts)
+    steps = 6 if opts.tiny else 20
+    modes = ([True] if _graphs_here(opts) and "cuda_graphs" in engine_fields() else []) + [False]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if opts.device == "cuda" else [])
+    out: dict = {"batch": 1, "context_tokens": prompt_len, "modes": {}, "errors": {}}
+    for graphs in modes:
+        key = "graphs" if graphs else "eager"
+        try:
+            eng = make_engine(tgt, graphs=graphs, max_num_seqs=1, max_model_len=max_len, cuda_graph_max_tokens=1)
+            params = SamplingParams(max_new_tokens=steps + 16, temperature=0.0, ignore_eos=True)
+            rid = eng.add_request(_prompts(1, prompt_len, tgt.vocab_size, seed=7)[0], params, SpecConfig())
+            for _ in range(6):  # the prompt, then warm steps (graph capture happens here)
+                eng.step()
+            with profile(activities=acts) as prof:
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    eng.step()  # ends in the step's host transfer
+                wall = time.perf_counter() - t0
+            eng.abort(rid)
+            out["modes"][key] = profile_summary(prof.events(), steps, wall)
+            del eng
+        except Exception as e:
+            out["errors"][key] = error_record(e)
+    return out

@@ -2,6 +2,7 @@
 tree with no install (``adaptspec.tools.gpu_check`` runs it)."""
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -86,48 +87,104 @@ def parse_verbose(text: str) -> dict:
     return out
 
 
+_EXT_LIST = re.compile(r"^Extension modules:.*$", re.M)
+
+
+def crash_trace(stderr: str) -> str:
+    """The part of a crashed pytest's stderr that says where it died: from faulthandler's
+    'Fatal Python error' on, without its list of loaded extension modules."""
+    i = stderr.rfind("Fatal Python error")
+    text = stderr[i:] if i >= 0 else stderr[-3000:]
+    return _EXT_LIST.sub("Extension modules: (left out)", text)[:3000]
+
+
+def _attempt(files, timeout_s, *, cwd, env, xml, deselect, per_test_timeout_s):
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "-p",
+           "adaptspec.tools.pytest_stream", f"--junitxml={xml}"]
+    if importlib.util.find_spec("pytest_timeout") is not None:
+        cmd.append(f"--timeout={per_test_timeout_s:.0f}")
+    for test in deselect:
+        cmd += ["--deselect", test]
+    cmd += files
+    try:
+        r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
+        return r.returncode, r.stdout, r.stderr, False
+    except subprocess.TimeoutExpired as e:
+        out, err = ("".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")) for x in
+                    (e.stdout, e.stderr))
+        return None, out, err, True
+
+
 def run_pytest(files: list[str], timeout_s: float, *, cwd: Path = REPO, extra_path: str | None = None,
-               per_test_timeout_s: float = 120.0) -> dict:
+               per_test_timeout_s: float = 120.0, log_path: Path | None = None, max_crashes: int = 4) -> dict:
     """The files in a pytest subprocess (so a crash or a hang stays there), with a timeout.
-    Counts come from the junit file, or from the verbose lines when the run was stopped; a
-    single test is stopped after ``per_test_timeout_s`` where pytest-timeout is installed."""
+    Each test's start and result stream to a file as they happen (``pytest_stream``), so a
+    run that dies in a test (a CUDA abort) keeps what finished, names the test it died in,
+    and runs again without that test and what had finished (``max_crashes`` times at most).
+    Counts come from the stream; the junit file or the verbose lines where it is empty.
+    ``log_path``: where the whole output of every attempt goes (the result keeps its tail)."""
     if importlib.util.find_spec("pytest") is None:
         return {"status": "skipped", "reason": "pytest is not importable on this machine"}
     if not files:
         return {"status": "skipped", "reason": "no test files found"}
+    from adaptspec.tools.pytest_stream import ENV, read_stream
+
+    t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        xml = Path(tmp) / "junit.xml"
+        xml, stream = Path(tmp) / "junit.xml", Path(tmp) / "stream.jsonl"
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(x for x in (extra_path, str(cwd), env.get("PYTHONPATH")) if x)
-        cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", f"--junitxml={xml}"]
-        if importlib.util.find_spec("pytest_timeout") is not None:
-            cmd.append(f"--timeout={per_test_timeout_s:.0f}")
-        cmd += files
-        t0 = time.monotonic()
-        try:
-            r = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout_s)
-            rc, text, timed_out = r.returncode, r.stdout + r.stderr, False
-        except subprocess.TimeoutExpired as e:
-            rc, timed_out = None, True
-            text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
-                           for x in (e.stdout, e.stderr))
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (extra_path, str(cwd), str(REPO), env.get("PYTHONPATH")) if x)
+        env[ENV] = str(stream)
+        crashes: list[dict] = []
+        text, rc, timed_out, deselect, attempts = "", None, False, [], 0
+        while True:
+            attempts += 1
+            left = timeout_s - (time.monotonic() - t0)
+            rc, stdout, stderr, timed_out = _attempt(files, max(1.0, left), cwd=cwd, env=env, xml=xml,
+                                                     deselect=deselect, per_test_timeout_s=per_test_timeout_s)
+            text += stdout + stderr
+            if log_path is not None:
+                with contextlib.suppress(OSError), open(log_path, "a") as f:
+                    f.write(f"===== pytest attempt {attempts} (rc {rc}, deselected {len(deselect)})\n")
+                    f.write(stdout + "\n----- stderr\n" + stderr + "\n")
+            seen = read_stream(stream)
+            if timed_out or xml.is_file() or not seen["crashed"] or rc is None or rc >= 0:
+                break
+            crashes.append({"test": seen["crashed"][0], "returncode": rc, "trace": crash_trace(stderr)})
+            if len(crashes) >= max_crashes or timeout_s - (time.monotonic() - t0) < 5:
+                break
+            deselect = [*seen["finished"], *(c["test"] for c in crashes)]
         out = {"files": files, "returncode": rc, "timed_out": timed_out, "seconds": round(time.monotonic() - t0, 1),
-               "output_tail": text[-3000:]}
-        if xml.is_file():
-            out.update(parse_junit(xml))
-            out["counted_from"] = "junit"
+               "output_tail": _EXT_LIST.sub("Extension modules: (left out)", text)[-3000:],
+               "attempts": attempts}
+        seen = read_stream(stream)
+        if seen["finished"] or seen["crashed"]:
+            counts = {k: seen[k] for k in ("passed", "failed", "errors", "skipped", "failures", "skip_reasons")}
+            out.update(counts, counted_from="stream")
+        elif xml.is_file():
+            out.update(parse_junit(xml), counted_from="junit")
         else:
-            out.update(parse_verbose(text))
-            out["counted_from"] = "verbose output (no junit file: the run did not finish)"
-        out["status"] = "ok" if xml.is_file() else "error"
+            out.update(parse_verbose(text), counted_from="verbose output (no junit file: the run did not finish)")
+        for c in crashes:
+            out["errors"] += 1
+            out["failures"].append({"test": c["test"], "kind": "crash",
+                                    "message": f"the process died in it (returncode {c['returncode']}): {c['trace']}"})
+        out["crashes"] = crashes
+        out["unfinished"] = seen["crashed"]  # stopped at the timeout (or a last crash) inside these
+        done = xml.is_file()
+        out["status"] = "ok" if done else "error"
         if timed_out:
             out["error"] = f"pytest ran past {timeout_s:.0f} s and was stopped"
-        elif not xml.is_file():
-            out["error"] = f"pytest exited {rc} without a junit file"
+        elif crashes and done:
+            out["status"] = "ok"
+        elif not done:
+            out["error"] = f"pytest exited {rc} without a junit file" + (
+                f" after {len(crashes)} crash(es)" if crashes else "")
         return out
 
 
-def tests_section(opts, left_s: float, shim: str | None) -> dict:
+def tests_section(opts, left_s: float, shim: str | None, log_path: Path | None = None) -> dict:
+    """The CUDA subset; ``log_path``: the whole pytest output (beside the JSON)."""
     if opts.device != "cuda":
         return {"status": "skipped", "reason": "CUDA-only: the CUDA test subset runs on a CUDA device"}
     import torch
@@ -135,6 +192,6 @@ def tests_section(opts, left_s: float, shim: str | None) -> dict:
     if not torch.cuda.is_available():
         return {"status": "skipped", "reason": "torch sees no CUDA device"}
     timeout = max(10.0, min(opts.test_timeout_s, left_s))
-    return run_pytest(cuda_test_files(), timeout, extra_path=shim)
+    return run_pytest(cuda_test_files(), timeout, extra_path=shim, log_path=log_path)
 
 

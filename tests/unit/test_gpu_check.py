@@ -151,7 +151,7 @@ def test_sections_that_no_longer_fit_the_budget_are_skipped_with_the_reason(tmp_
     status = {n: s["status"] for n, s in result["sections"].items()}
     # each section is estimated at 2 s on the CPU: three fit (0 -> 4 -> 8 -> 12 s), then none
     assert status == {"env": "ok", "tests": "ok", "bandwidth": "ok", "model": "skipped", "decode": "skipped",
-                      "graphs": "skipped", "verify_cost": "skipped", "spec": "skipped"}
+                      "graphs": "skipped", "verify_cost": "skipped", "spec": "skipped", "profile": "skipped"}
     assert "time budget: -2 s left" in result["sections"]["model"]["reason"]
     assert json.loads((tmp_path / "b.json").read_text())["sections"]["spec"]["status"] == "skipped"
     # the control: with room for all of them, none is skipped
@@ -217,7 +217,7 @@ def test_run_pytest_stops_at_its_timeout_and_keeps_what_finished(tmp_path):
                                            "def test_slow():\n    time.sleep(60)\n")
     r = gc.run_pytest(["test_slow.py"], 4, cwd=tmp_path, per_test_timeout_s=600)
     assert r["timed_out"] is True and r["status"] == "error" and "4 s" in r["error"]
-    assert r["counted_from"].startswith("verbose output")
+    assert r["counted_from"] == "stream" and r["crashes"] == [] and r["unfinished"] == ["test_slow.py::test_slow"]
     assert (r["passed"], r["failed"]) == (1, 1) and r["failures"][0]["test"] == "test_slow.py::test_wrong"
 
 
@@ -298,3 +298,49 @@ def test_random_model_shapes_and_weight_bytes():
     assert tok("t3 t5")["input_ids"] == [3, 5] and tok.decode([3, 5]) == "t3 t5"
     with pytest.raises(ValueError, match="token ids"):
         tok("hello")
+
+
+def test_run_pytest_survives_a_test_that_kills_the_process(tmp_path):
+    """A test that aborts the interpreter (as a CUDA fault does) is named as a crash, the
+    tests before it keep their results and messages, and the ones after it still run."""
+    (tmp_path / "test_crash.py").write_text(
+        "import os\n"
+        "def test_a_ok():\n    pass\n"
+        "def test_b_bad():\n    assert 1 == 2, 'one is not two'\n"
+        "def test_c_abort():\n    os.abort()\n"
+        "def test_d_after():\n    pass\n")
+    log = tmp_path / "pytest.log"
+    r = gc.run_pytest(["test_crash.py"], 120, cwd=tmp_path, log_path=log)
+    assert r["counted_from"] == "stream" and r["attempts"] == 2 and r["status"] == "ok"
+    assert (r["passed"], r["failed"], r["errors"]) == (2, 1, 1)
+    kinds = {f["test"].split("::")[1]: f for f in r["failures"]}
+    assert kinds["test_c_abort"]["kind"] == "crash" and r["crashes"][0]["returncode"] < 0
+    assert "one is not two" in kinds["test_b_bad"]["message"]
+    assert "Extension modules:" not in r["output_tail"] or "(left out)" in r["output_tail"]
+    assert "attempt 2" in log.read_text()
+
+
+def test_run_pytest_without_a_crash_runs_once(tmp_path):
+    """The control: the same file without the abort runs in one attempt, no crash named."""
+    (tmp_path / "test_fine.py").write_text("def test_a():\n    pass\ndef test_b():\n    pass\n")
+    r = gc.run_pytest(["test_fine.py"], 120, cwd=tmp_path)
+    assert r["attempts"] == 1 and r["crashes"] == [] and (r["passed"], r["errors"]) == (2, 0)
+
+
+def test_union_of_busy_intervals():
+    from adaptspec.tools.gpu_speed import union_us
+
+    assert union_us([(0, 2), (1, 3), (5, 6)]) == 4  # overlaps count once
+    assert union_us([(0, 2), (0.5, 1), (2, 3)]) == 3  # a nested interval adds nothing
+    assert union_us([(0, 2), (5, 6)]) == 3 and union_us([]) == 0  # control: disjoint ones add up
+
+
+def test_the_profile_section_on_the_cpu_names_host_ops_and_no_device_time():
+    opts = gc.Options(device="cpu", tiny=True)
+    state: dict = {}
+    gc.model_section(opts, state)
+    r = gc.profile_section(opts, state)
+    p = r["modes"]["eager"]
+    assert r["errors"] == {} and p["steps"] == 6 and p["wall_ms_per_step"] > 0
+    assert p["device_busy_ms_per_step"] is None and p["kernels"] == []  # the CPU has no device events
+    assert any(op["name"].startswith("aten::") for op in p["host_ops"])
