@@ -30,6 +30,7 @@ def _paged_attention_kernel(
     GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two (>= 16 for tl.dot)
     D: tl.constexpr,
     BS: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for an fp32 cache (exact fp32 products), else "tf32"
 ):
     t = tl.program_id(0)
     kh = tl.program_id(1)
@@ -52,14 +53,14 @@ def _paged_attention_kernel(
         base = blk * stride_kb + kh * stride_kh
         k = tl.load(k_cache_ptr + base + s_off[:, None] * D + d[None, :]).to(tl.float32)  # [BS, D]
         v = tl.load(v_cache_ptr + base + s_off[:, None] * D + d[None, :]).to(tl.float32)
-        scores = tl.dot(q, tl.trans(k))  # [GROUP_P, BS]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # [GROUP_P, BS]
         key_pos = j * BS + s_off
         scores = tl.where((key_pos <= pos)[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))
         alpha = tl.exp(m - m_new)
         p = tl.exp(scores - m_new[:, None])
         l_sum = l_sum * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p, v)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m = m_new
     out = acc / l_sum[:, None]
     tl.store(out_ptr + (t * H + heads)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
@@ -90,5 +91,103 @@ def paged_attention(
     _paged_attention_kernel[(N, Hkv)](
         q, k_cache, v_cache, out, seq_of, positions, block_tables,
         block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), scale,
-        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=D, BS=BS)
+        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=D, BS=BS,
+        # on a GPU an fp32 dot defaults to TF32 (10-bit mantissa): an fp32 model would attend
+        # less exactly than its torch reference; a 16-bit cache's values are exact in TF32
+        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32")
     return out
+
+
+@triton.jit
+def _round(x, ROUND: tl.constexpr):
+    """fp32 ``x`` rounded to the dtype torch computes in (to nearest, ties to even), kept in
+    fp32. bf16 by its bits: the Triton interpreter (the CPU tests) truncates in ``.to``."""
+    if ROUND == 1:  # bfloat16
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+        x = u.to(tl.float32, bitcast=True)
+    elif ROUND == 2:  # float16
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _rotary_write_kernel(
+    qkv_ptr,  # [N, (H + 2 Hkv) D]: the step's fused projections
+    q_out_ptr,  # [N, H, D] out: the rotated queries
+    k_cache_ptr, v_cache_ptr,  # [num_blocks, Hkv, BS, D]
+    slot_ptr,  # [N] int64: the row's cache slot (block * BS + offset)
+    pos_ptr,  # [N] int64: the row's position (its rotary angle)
+    cos_ptr, sin_ptr,  # [max_position, D], the halves repeated (the model's tables)
+    stride_qkv, stride_cos, stride_kb, stride_kh,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    ROUND: tl.constexpr,  # the dtype torch computes in: 0 float32, 1 bfloat16, 2 float16
+):
+    t = tl.program_id(0)
+    h = tl.program_id(1)  # 0..H-1: a query head; H..H+Hkv-1: a key head; then a value head
+    half: tl.constexpr = D // 2
+    j = tl.arange(0, half)
+    src = qkv_ptr + t * stride_qkv + h * D
+    x1 = tl.load(src + j).to(tl.float32)  # 16-bit values are exact in fp32, their products too
+    x2 = tl.load(src + half + j).to(tl.float32)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    blk, off = slot // BS, slot % BS
+    if h < H + HKV:
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        c1 = tl.load(cos_ptr + pos * stride_cos + j).to(tl.float32)
+        c2 = tl.load(cos_ptr + pos * stride_cos + half + j).to(tl.float32)
+        s1 = tl.load(sin_ptr + pos * stride_cos + j).to(tl.float32)
+        s2 = tl.load(sin_ptr + pos * stride_cos + half + j).to(tl.float32)
+        # x * cos + rotate_half(x) * sin, rounded where torch rounds (each product, then the
+        # sum): the torch backend's bits, with no fused multiply-add (the launch turns fp
+        # fusion off); the stores below then only drop bits that are already zero
+        o1 = _round(_round(x1 * c1, ROUND) + _round(-x2 * s1, ROUND), ROUND)
+        o2 = _round(_round(x2 * c2, ROUND) + _round(x1 * s2, ROUND), ROUND)
+        if h < H:
+            dst = q_out_ptr + (t * H + h) * D
+            tl.store(dst + j, o1.to(q_out_ptr.dtype.element_ty))
+            tl.store(dst + half + j, o2.to(q_out_ptr.dtype.element_ty))
+        else:
+            dst = k_cache_ptr + blk * stride_kb + (h - H) * stride_kh + off * D
+            tl.store(dst + j, o1.to(k_cache_ptr.dtype.element_ty))
+            tl.store(dst + half + j, o2.to(k_cache_ptr.dtype.element_ty))
+    else:
+        dst = v_cache_ptr + blk * stride_kb + (h - H - HKV) * stride_kh + off * D
+        tl.store(dst + j, x1.to(v_cache_ptr.dtype.element_ty))
+        tl.store(dst + half + j, x2.to(v_cache_ptr.dtype.element_ty))
+
+
+_ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def rotary_and_write(
+    qkv: torch.Tensor,  # [N, (H + 2 Hkv) D]
+    k_cache: torch.Tensor,  # [num_blocks, Hkv, BS, D]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [N] int64
+    positions: torch.Tensor,  # [N] int64
+    cos: torch.Tensor,  # [max_position, D]
+    sin: torch.Tensor,
+    num_heads: int,
+) -> torch.Tensor:  # [N, H, D] rotated queries, in cos's dtype (as the torch ops give)
+    """The rotary embedding of q and k and the cache write of k and v, in one launch: what
+    ``AttentionBackend.rotate_and_write`` does in a dozen element-wise torch ops a layer
+    (each a kernel launch), bit for bit."""
+    N, width = qkv.shape
+    _, Hkv, BS, D = k_cache.shape
+    if width != (num_heads + 2 * Hkv) * D or D & (D - 1) or D < 2:
+        raise ValueError(f"rotary_and_write: qkv width {width} against {num_heads} + 2 x {Hkv} heads of {D} "
+                         "(head_dim a power of two)")
+    if cos.shape[1] != D or sin.shape != cos.shape:
+        raise ValueError(f"rotary_and_write: rotary tables {tuple(cos.shape)} / {tuple(sin.shape)}, head_dim {D}")
+    q = torch.empty(N, num_heads, D, dtype=torch.promote_types(qkv.dtype, cos.dtype), device=qkv.device)
+    if q.dtype not in _ROUND:
+        raise ValueError(f"rotary_and_write: {q.dtype} is not float32, bfloat16 or float16")
+    if N == 0:
+        return q
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    _rotary_write_kernel[(N, num_heads + 2 * Hkv)](
+        qkv, q, k_cache, v_cache, slot_mapping, positions, cos, sin,
+        qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
+        H=num_heads, HKV=Hkv, D=D, BS=BS, ROUND=_ROUND[q.dtype], enable_fp_fusion=False)
+    return q

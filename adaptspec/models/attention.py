@@ -107,8 +107,9 @@ class TorchAttention(AttentionBackend):
 
 
 class TritonAttention(AttentionBackend):
-    """Rotary embedding and the cache write in torch (a handful of fused-by-torch element-wise
-    ops), the attention itself in one Triton launch over every row of the step."""
+    """Two Triton launches a layer: the rotary embedding of q and k with the cache write of k
+    and v (``rotary_and_write``, the torch ops' bits), then the attention over every row of
+    the step (``paged_attention``)."""
 
     name = "triton"
     graph_safe = True
@@ -118,17 +119,14 @@ class TritonAttention(AttentionBackend):
         cu = batch.cu_seqlens_q
         # each row's sequence from cu_seqlens alone (rows are sequences' runs in order; an empty
         # sequence repeats its cu entry), on the device: no host list, same shapes for any data
-        seq_of = torch.searchsorted(cu[1:], torch.arange(rows, device=cu.device, dtype=cu.dtype), right=True,
-                                    out_int32=True)  # [N] int32
-        cos, sin = self.cos[batch.positions][:, None], self.sin[batch.positions][:, None]  # [N, 1, D]
-        return seq_of, cos, sin
+        return torch.searchsorted(cu[1:], torch.arange(rows, device=cu.device, dtype=cu.dtype), right=True,
+                                  out_int32=True)  # [N] int32: the row's sequence
 
     def attend(self, qkv, k_cache, v_cache, batch, meta):
-        from adaptspec_kernels.triton_attention import paged_attention
+        from adaptspec_kernels.triton_attention import paged_attention, rotary_and_write
 
-        seq_of, cos, sin = meta
         H, D = self.num_heads, self.head_dim
         N = qkv.shape[0]
-        q = self.rotate_and_write(qkv, k_cache, v_cache, batch.slot_mapping, cos, sin)
-        out = paged_attention(q, k_cache, v_cache, seq_of, batch.positions, batch.block_tables, D ** -0.5)
+        q = rotary_and_write(qkv, k_cache, v_cache, batch.slot_mapping, batch.positions, self.cos, self.sin, H)
+        out = paged_attention(q, k_cache, v_cache, meta, batch.positions, batch.block_tables, D ** -0.5)
         return out.reshape(N, H * D)

@@ -258,8 +258,8 @@ def git_commit(root: Path = REPO, given: str | None = None) -> dict:
     except Exception:
         pass
     given = given or os.environ.get("ADAPTSPEC_GIT_COMMIT")
-    if info["commit"] is None and given:
-        info.update(commit=given, source="given")
+    if given:  # said by the caller: a copied tree's .git (the device tool's) can lag its files
+        info.update(git_head=info["commit"], commit=given, source="given")
     return info
 
 

@@ -163,8 +163,9 @@ class _StaticTorchAttention(TritonAttention):
     name = "static-torch"
 
     def attend(self, qkv, k_cache, v_cache, batch, meta):
-        seq_of, cos, sin = meta
+        seq_of = meta
         N, H, Hkv, D = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        cos, sin = self.cos[batch.positions][:, None], self.sin[batch.positions][:, None]
         q = self.rotate_and_write(qkv, k_cache, v_cache, batch.slot_mapping, cos, sin)  # [N, H, D]
         bt = batch.block_tables.long()[seq_of.long()]  # [N, W]
         W, bs = bt.shape[1], k_cache.shape[2]
@@ -277,7 +278,7 @@ def test_graph_safe_row_to_sequence_map():
     batch = FlatBatch(torch.zeros(8, dtype=torch.long), pos, cu, torch.zeros(6, dtype=torch.int32),
                       torch.zeros(6, 1, dtype=torch.int32), pos, pos, [3, 0, 1, 4, 0, 0], [0] * 6, 1, 16)
     attn = TritonAttention(4, 2, 16, torch.ones(4, 16), torch.zeros(4, 16))
-    seq_of, _, _ = attn.prepare(batch)
+    seq_of = attn.prepare(batch)
     assert seq_of.dtype == torch.int32
     assert seq_of.tolist() == [0, 0, 0, 2, 3, 3, 3, 3]
 
