@@ -121,6 +121,22 @@ def test_the_teacher_forced_check_can_fail(folder, reference):
     assert flagged and flagged[0][0] == 5
 
 
+SAMPLED = [SamplingParams(max_new_tokens=NEW, temperature=0.8, seed=1, ignore_eos=True),
+           SamplingParams(max_new_tokens=NEW, temperature=1.2, top_k=20, seed=2, ignore_eos=True),
+           SamplingParams(max_new_tokens=NEW, ignore_eos=True),
+           SamplingParams(max_new_tokens=NEW, temperature=0.7, top_p=0.9, seed=3, ignore_eos=True)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_seeded_sampled_bf16_run_repeats_itself_draw_for_draw(folder, device):
+    """The precondition of every draw-for-draw comparison: two engines of one configuration,
+    given the same seeded requests, emit the same tokens (bf16, where a forward that rounded
+    differently between runs would move a sampled token)."""
+    runs = [[o.token_ids for o in _engine(folder, "bfloat16", device).generate(_prompts(), SAMPLED, SPECS)]
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -128,10 +144,7 @@ def test_triton_verifier_in_the_engine_equals_torch_draw_for_draw(folder, dtype)
     """The same requests (seeded sampling with temperature, top-k, top-p; greedy rows beside
     them) through an engine verifying with the Triton kernels and one verifying with the torch
     reference: the same tokens, draw for draw."""
-    params = [SamplingParams(max_new_tokens=NEW, temperature=0.8, seed=1, ignore_eos=True),
-              SamplingParams(max_new_tokens=NEW, temperature=1.2, top_k=20, seed=2, ignore_eos=True),
-              SamplingParams(max_new_tokens=NEW, ignore_eos=True),
-              SamplingParams(max_new_tokens=NEW, temperature=0.7, top_p=0.9, seed=3, ignore_eos=True)]
+    params = SAMPLED
     runs = {}
     for backend in ("triton", "torch"):
         eng = _engine(folder, dtype, "cuda", verifier=backend)
