@@ -46,6 +46,21 @@ def _variants():
                    sig(stoch, [target, "i32", PTR_F32, PTR_F32, PTR_I64, PTR_F32, "i32", PTR_I64, PTR_F32,
                                PTR_F32, PTR_I64, PTR_I64, "i32", "i32"] + ["constexpr"] * 4),
                    dict(FROM_LOGITS=from_logits, HAS_DRAFT_PROBS=has_q, BLOCK_K=16, BLOCK_V=1024))
+    from adaptspec_kernels import triton_attention as ta
+
+    attn = ["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "seq_of_ptr", "pos_ptr", "block_tables_ptr",
+            "stride_bt", "stride_kb", "stride_kh", "scale", "GROUP", "GROUP_P", "D", "BS", "PRECISION"]
+    rot = ["qkv_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr", "slot_ptr", "pos_ptr", "cos_ptr", "sin_ptr",
+           "stride_qkv", "stride_cos", "stride_kb", "stride_kh", "H", "HKV", "D", "HALF", "BS", "ROUND"]
+    for dt, precision, round_ in (("fp32", "ieee", 0), ("bf16", "tf32", 1), ("fp16", "tf32", 2)):
+        yield (f"paged_attention {dt}", ta._paged_attention_kernel,
+               sig(attn, [f"*{dt}"] * 4 + ["*i32", PTR_I64, "*i32", "i32", "i64", "i64", "fp32"] + ["constexpr"] * 5),
+               dict(GROUP=4, GROUP_P=16, D=128, BS=16, PRECISION=precision))
+        # with the launch's option (no fused multiply-add: the torch ops' rounding)
+        yield (f"rotary_and_write {dt}", ta._rotary_write_kernel,
+               sig(rot, [f"*{dt}"] * 4 + [PTR_I64, PTR_I64, f"*{dt}", f"*{dt}", "i32", "i32", "i64", "i64"]
+                   + ["constexpr"] * 6),
+               dict(H=32, HKV=8, D=128, HALF=64, BS=16, ROUND=round_), {"enable_fp_fusion": False})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,10 +76,10 @@ def main(argv: list[str] | None = None) -> int:
 
     failures = 0
     for arch in args.arch:
-        for name, fn, signature, constexprs in _variants():
+        for name, fn, signature, constexprs, *options in _variants():
             try:
                 kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
-                                        target=GPUTarget("cuda", arch, 32))
+                                        target=GPUTarget("cuda", arch, 32), options=(options or [None])[0])
                 print(f"sm_{arch} ok    {name} ({len(kernel.asm['cubin'])} bytes cubin)")
             except Exception as e:  # report every variant, then fail
                 failures += 1

@@ -120,24 +120,23 @@ def _rotary_write_kernel(
     pos_ptr,  # [N] int64: the row's position (its rotary angle)
     cos_ptr, sin_ptr,  # [max_position, D], the halves repeated (the model's tables)
     stride_qkv, stride_cos, stride_kb, stride_kh,
-    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BS: tl.constexpr,
+    H: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr,
     ROUND: tl.constexpr,  # the dtype torch computes in: 0 float32, 1 bfloat16, 2 float16
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)  # 0..H-1: a query head; H..H+Hkv-1: a key head; then a value head
-    half: tl.constexpr = D // 2
-    j = tl.arange(0, half)
+    j = tl.arange(0, HALF)
     src = qkv_ptr + t * stride_qkv + h * D
     x1 = tl.load(src + j).to(tl.float32)  # 16-bit values are exact in fp32, their products too
-    x2 = tl.load(src + half + j).to(tl.float32)
+    x2 = tl.load(src + HALF + j).to(tl.float32)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     blk, off = slot // BS, slot % BS
     if h < H + HKV:
         pos = tl.load(pos_ptr + t).to(tl.int64)
         c1 = tl.load(cos_ptr + pos * stride_cos + j).to(tl.float32)
-        c2 = tl.load(cos_ptr + pos * stride_cos + half + j).to(tl.float32)
+        c2 = tl.load(cos_ptr + pos * stride_cos + HALF + j).to(tl.float32)
         s1 = tl.load(sin_ptr + pos * stride_cos + j).to(tl.float32)
-        s2 = tl.load(sin_ptr + pos * stride_cos + half + j).to(tl.float32)
+        s2 = tl.load(sin_ptr + pos * stride_cos + HALF + j).to(tl.float32)
         # x * cos + rotate_half(x) * sin, rounded where torch rounds (each product, then the
         # sum): the torch backend's bits, with no fused multiply-add (the launch turns fp
         # fusion off); the stores below then only drop bits that are already zero
@@ -146,15 +145,15 @@ def _rotary_write_kernel(
         if h < H:
             dst = q_out_ptr + (t * H + h) * D
             tl.store(dst + j, o1.to(q_out_ptr.dtype.element_ty))
-            tl.store(dst + half + j, o2.to(q_out_ptr.dtype.element_ty))
+            tl.store(dst + HALF + j, o2.to(q_out_ptr.dtype.element_ty))
         else:
             dst = k_cache_ptr + blk * stride_kb + (h - H) * stride_kh + off * D
             tl.store(dst + j, o1.to(k_cache_ptr.dtype.element_ty))
-            tl.store(dst + half + j, o2.to(k_cache_ptr.dtype.element_ty))
+            tl.store(dst + HALF + j, o2.to(k_cache_ptr.dtype.element_ty))
     else:
         dst = v_cache_ptr + blk * stride_kb + (h - H - HKV) * stride_kh + off * D
         tl.store(dst + j, x1.to(v_cache_ptr.dtype.element_ty))
-        tl.store(dst + half + j, x2.to(v_cache_ptr.dtype.element_ty))
+        tl.store(dst + HALF + j, x2.to(v_cache_ptr.dtype.element_ty))
 
 
 _ROUND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -189,5 +188,5 @@ def rotary_and_write(
     _rotary_write_kernel[(N, num_heads + 2 * Hkv)](
         qkv, q, k_cache, v_cache, slot_mapping, positions, cos, sin,
         qkv.stride(0), cos.stride(0), k_cache.stride(0), k_cache.stride(1),
-        H=num_heads, HKV=Hkv, D=D, BS=BS, ROUND=_ROUND[q.dtype], enable_fp_fusion=False)
+        H=num_heads, HKV=Hkv, D=D, HALF=D // 2, BS=BS, ROUND=_ROUND[q.dtype], enable_fp_fusion=False)
     return q

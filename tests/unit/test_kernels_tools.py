@@ -37,4 +37,30 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "adaptspec_kernels.compile_check", "--arch", "90"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("sm_90 ok") == 11
+    assert proc.stdout.count("sm_90 ok") == 17
+    assert "rotary_and_write bf16" in proc.stdout and "paged_attention fp32" in proc.stdout
+
+
+FMA_CHECK = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from adaptspec_kernels.compile_check import _variants
+name, fn, sig, ce, opts = next(v for v in _variants() if v[0] == "rotary_and_write fp32")
+for o in (opts, None):
+    ptx = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ce), target=GPUTarget("cuda", 90, 32),
+                         options=o).asm["ptx"]
+    print(ptx.count("fma.rn.f32"))
+"""
+
+
+def test_the_rotary_kernel_compiles_without_fused_multiply_adds():
+    """torch rounds each product of the rotary embedding before the sum; the kernel matches
+    its bits only if the compiler does not contract them into FMAs: with the launch's option
+    the fp32 PTX has none; the control, the same kernel without it, has some."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-W", "ignore", "-c", FMA_CHECK], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with_option, without = (int(x) for x in proc.stdout.split())
+    assert with_option == 0 and without > 0
