@@ -35,6 +35,8 @@ Sections:
   lookup on repetitive prompts (a random model need not repeat them: its acceptance is
   recorded, not judged); each eager and with CUDA graphs (``self_draft_graphs``: the
   target's steps and the draft's k passes replay graphs).
+* ``long_context``: plain decode over a 4,096-token context at batch 1 and 8 (graphs where
+  they run), each step against its floor with the KV cache it reads counted.
 * ``profile``: where a batch-1 decode step's time goes (``torch.profiler`` over engine steps,
   with graphs and eager): wall per step, the device's busy time (its kernels and copies),
   the host's share, the top kernels and host ops.
@@ -66,8 +68,8 @@ from pathlib import Path
 from typing import Callable
 
 from adaptspec.tools.gpu_speed import (  # noqa: F401  (re-exported: the check's surface)
-    SectionTimeout, bandwidth_section, copy_bandwidth, decode_section, error_record, model_section, profile_section,
-    relative, spec_section, verify_cost_section,
+    SectionTimeout, bandwidth_section, copy_bandwidth, decode_section, error_record, long_context_section,
+    model_section, profile_section, relative, spec_section, verify_cost_section,
 )
 from adaptspec.tools.gpu_tests import (  # noqa: F401
     cuda_test_files, ensure_kernels_importable, parse_junit, parse_verbose, run_pytest, tests_section,
@@ -214,6 +216,7 @@ def summarize(sections: dict) -> dict:
     out["verify5_over_verify1"] = v5
     out["verify5_from"] = v5_from
     out["graphs_over_eager_b1"] = round(eager_b1 / graphs_b1, 4) if eager_b1 and graphs_b1 else None
+    out["long_context_b1_over_floor"] = get("long_context", "by_batch", "1", "over_floor")
     out["tests"] = {k: get("tests", k) for k in ("passed", "failed", "errors", "skipped")} \
         if get("tests", "status") == "ok" else get("tests", "status")
     out["goals"] = {
@@ -292,8 +295,9 @@ def env_section(opts: Options) -> dict:
 
 # ---- the run -------------------------------------------------------------------------------
 
-SECTIONS = ("env", "tests", "bandwidth", "model", "decode", "graphs", "verify_cost", "spec", "profile")
-NEEDS_MODEL = ("decode", "graphs", "verify_cost", "spec", "profile")
+SECTIONS = ("env", "tests", "bandwidth", "model", "decode", "graphs", "verify_cost", "spec", "long_context",
+            "profile")
+NEEDS_MODEL = ("decode", "graphs", "verify_cost", "spec", "long_context", "profile")
 
 
 def estimates(opts: Options) -> dict[str, float]:
@@ -302,7 +306,7 @@ def estimates(opts: Options) -> dict[str, float]:
     if opts.tiny or opts.device == "cpu":
         return {s: 2.0 for s in SECTIONS}
     return {"env": 5, "tests": 60, "bandwidth": 5, "model": 30, "decode": 45, "graphs": 60, "verify_cost": 25,
-            "spec": 60, "profile": 30}
+            "spec": 60, "long_context": 40, "profile": 30}
 
 
 def _release_memory(device: str) -> None:
@@ -352,12 +356,14 @@ class Check:
             "graphs": lambda: decode_section(self.opts, self.state, graphs=True),
             "verify_cost": lambda: verify_cost_section(self.opts, self.state),
             "spec": lambda: spec_section(self.opts, self.state),
+            "long_context": lambda: long_context_section(
+                self.opts, {**self.state, "bytes_per_s": self.result["sections"].get("bandwidth", {}).get("bytes_per_s_best")}),
             "profile": lambda: profile_section(self.opts, self.state),
         }
 
     def _test_time(self) -> float:
         """The tests get what the budget leaves after the speed sections' estimates."""
-        reserve = sum(self.est[s] for s in ("bandwidth", "model", "decode", "graphs", "verify_cost", "spec", "profile"))
+        reserve = sum(self.est[s] for s in SECTIONS if s not in ("env", "tests"))
         return self.budget.left() - reserve
 
     def save(self) -> None:
@@ -469,6 +475,10 @@ def table(result: dict) -> str:
                          f"{r['mean_accepted_length']}, acceptance {r['acceptance_rate']}, x{r.get('speedup_over_plain')} "
                          f"over plain" + (f", engine overhead {r['engine_overhead_ms']} ms/step"
                                           if r.get("engine_overhead_ms") is not None else ""))
+    lc = s.get("long_context", {})
+    for b, r in (lc.get("by_batch") or {}).items():
+        lines.append(f"  decode ({lc['mode']}) over {lc['context_tokens']} tokens, batch {b}: {r['tokens_per_s']} tok/s, "
+                     f"{r['step_ms']} ms a step" + (f", {r['over_floor']}x its floor" if r.get("over_floor") else ""))
     pr = s.get("profile", {})
     for mode, p in (pr.get("modes") or {}).items():
         lines.append(f"  profile b1 ({mode}): {p['wall_ms_per_step']} ms/step, device busy {p['device_busy_ms_per_step']} ms, "

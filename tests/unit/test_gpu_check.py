@@ -151,7 +151,8 @@ def test_sections_that_no_longer_fit_the_budget_are_skipped_with_the_reason(tmp_
     status = {n: s["status"] for n, s in result["sections"].items()}
     # each section is estimated at 2 s on the CPU: three fit (0 -> 4 -> 8 -> 12 s), then none
     assert status == {"env": "ok", "tests": "ok", "bandwidth": "ok", "model": "skipped", "decode": "skipped",
-                      "graphs": "skipped", "verify_cost": "skipped", "spec": "skipped", "profile": "skipped"}
+                      "graphs": "skipped", "verify_cost": "skipped", "spec": "skipped", "long_context": "skipped",
+                      "profile": "skipped"}
     assert "time budget: -2 s left" in result["sections"]["model"]["reason"]
     assert json.loads((tmp_path / "b.json").read_text())["sections"]["spec"]["status"] == "skipped"
     # the control: with room for all of them, none is skipped
@@ -215,8 +216,8 @@ def test_run_pytest_stops_at_its_timeout_and_keeps_what_finished(tmp_path):
                                            "def test_quick():\n    pass\n"
                                            "def test_wrong():\n    assert False\n"
                                            "def test_slow():\n    time.sleep(60)\n")
-    r = gc.run_pytest(["test_slow.py"], 4, cwd=tmp_path, per_test_timeout_s=600)
-    assert r["timed_out"] is True and r["status"] == "error" and "4 s" in r["error"]
+    r = gc.run_pytest(["test_slow.py"], 10, cwd=tmp_path, per_test_timeout_s=600)  # room for a loaded machine
+    assert r["timed_out"] is True and r["status"] == "error" and "10 s" in r["error"]
     assert r["counted_from"] == "stream" and r["crashes"] == [] and r["unfinished"] == ["test_slow.py::test_slow"]
     assert (r["passed"], r["failed"]) == (1, 1) and r["failures"][0]["test"] == "test_slow.py::test_wrong"
 
@@ -344,3 +345,19 @@ def test_the_profile_section_on_the_cpu_names_host_ops_and_no_device_time():
     assert r["errors"] == {} and p["steps"] == 6 and p["wall_ms_per_step"] > 0
     assert p["device_busy_ms_per_step"] is None and p["kernels"] == []  # the CPU has no device events
     assert any(op["name"].startswith("aten::") for op in p["host_ops"])
+
+
+def test_the_long_context_section_counts_the_kv_it_reads_in_its_floor():
+    opts = gc.Options(device="cpu", tiny=True)
+    state: dict = {}
+    gc.model_section(opts, state)
+    bw = 1e11
+    r = gc.long_context_section(opts, {**state, "bytes_per_s": bw})
+    one = r["by_batch"]["1"]
+    assert r["errors"] == {} and r["context_tokens"] == 256 and one["steps"] == opts.decode_steps
+    c = state["target"].model.cfg
+    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * 256  # fp32 keys and values of the context
+    from adaptspec.models.synthetic import weight_bytes
+
+    floor = 1e3 * (weight_bytes(state["target"].model)["per_decode_step"] + kv) / bw
+    assert one["floor_ms"] == round(floor, 4) and one["over_floor"] == pytest.approx(one["step_ms"] / floor, rel=1e-3)
