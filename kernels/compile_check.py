@@ -49,13 +49,22 @@ def _variants():
     from adaptspec_kernels import triton_attention as ta
 
     attn = ["q_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "seq_of_ptr", "pos_ptr", "block_tables_ptr",
-            "stride_bt", "stride_kb", "stride_kh", "scale", "GROUP", "GROUP_P", "D", "BS", "PRECISION"]
+            "stride_bt", "stride_kb", "stride_kh", "scale", "GROUP", "GROUP_P", "D", "BS", "PRECISION", "SPLIT",
+            "BLOCKS_PER_SPLIT", "part_m_ptr", "part_l_ptr"]
+    combine = ["part_acc_ptr", "part_m_ptr", "part_l_ptr", "out_ptr", "nsplit", "NSPLIT_P", "D"]
     rot = ["qkv_ptr", "q_out_ptr", "k_cache_ptr", "v_cache_ptr", "slot_ptr", "pos_ptr", "cos_ptr", "sin_ptr",
            "stride_qkv", "stride_cos", "stride_kb", "stride_kh", "H", "HKV", "D", "HALF", "BS", "ROUND"]
     for dt, precision, round_ in (("fp32", "ieee", 0), ("bf16", "tf32", 1), ("fp16", "tf32", 2)):
         yield (f"paged_attention {dt}", ta._paged_attention_kernel,
-               sig(attn, [f"*{dt}"] * 4 + ["*i32", PTR_I64, "*i32", "i32", "i64", "i64", "fp32"] + ["constexpr"] * 5),
-               dict(GROUP=4, GROUP_P=16, D=128, BS=16, PRECISION=precision))
+               sig(attn, [f"*{dt}"] * 4 + ["*i32", PTR_I64, "*i32", "i32", "i64", "i64", "fp32"] + ["constexpr"] * 7
+                   + [f"*{dt}"] * 2),
+               dict(GROUP=4, GROUP_P=16, D=128, BS=16, PRECISION=precision, SPLIT=False, BLOCKS_PER_SPLIT=1))
+        yield (f"paged_attention split {dt}", ta._paged_attention_kernel,
+               sig(attn, [f"*{dt}"] * 3 + [PTR_F32, "*i32", PTR_I64, "*i32", "i32", "i64", "i64", "fp32"]
+                   + ["constexpr"] * 7 + [PTR_F32] * 2),
+               dict(GROUP=4, GROUP_P=16, D=128, BS=16, PRECISION=precision, SPLIT=True, BLOCKS_PER_SPLIT=16))
+        yield (f"combine_splits {dt}", ta._combine_splits_kernel,
+               sig(combine, [PTR_F32] * 3 + [f"*{dt}", "i32", "constexpr", "constexpr"]), dict(NSPLIT_P=16, D=128))
         # with the launch's option (no fused multiply-add: the torch ops' rounding)
         yield (f"rotary_and_write {dt}", ta._rotary_write_kernel,
                sig(rot, [f"*{dt}"] * 4 + [PTR_I64, PTR_I64, f"*{dt}", f"*{dt}", "i32", "i32", "i64", "i64"]

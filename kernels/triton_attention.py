@@ -31,6 +31,9 @@ def _paged_attention_kernel(
     D: tl.constexpr,
     BS: tl.constexpr,
     PRECISION: tl.constexpr,  # "ieee" for an fp32 cache (exact fp32 products), else "tf32"
+    SPLIT: tl.constexpr,  # False: the whole context, normalised into out_ptr; True: a slice of it
+    BLOCKS_PER_SPLIT: tl.constexpr,  # (SPLIT) the cache blocks of one slice
+    part_m_ptr, part_l_ptr,  # (SPLIT) [N, H, NSPLIT] fp32 out: the slice's running max and sum
 ):
     t = tl.program_id(0)
     kh = tl.program_id(1)
@@ -48,7 +51,11 @@ def _paged_attention_kernel(
     acc = tl.zeros([GROUP_P, D], tl.float32)
     s_off = tl.arange(0, BS)
     n_blocks = pos // BS + 1
-    for j in range(0, n_blocks):
+    j0 = 0
+    if SPLIT:  # this program's slice of the context (one beyond the row's keys does nothing)
+        j0 = tl.program_id(2) * BLOCKS_PER_SPLIT
+        n_blocks = tl.minimum(n_blocks, j0 + BLOCKS_PER_SPLIT)
+    for j in range(j0, n_blocks):
         blk = tl.load(block_tables_ptr + seq * stride_bt + j).to(tl.int64)
         base = blk * stride_kb + kh * stride_kh
         k = tl.load(k_cache_ptr + base + s_off[:, None] * D + d[None, :]).to(tl.float32)  # [BS, D]
@@ -62,9 +69,38 @@ def _paged_attention_kernel(
         l_sum = l_sum * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
         m = m_new
-    out = acc / l_sum[:, None]
-    tl.store(out_ptr + (t * H + heads)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=gmask[:, None])
+    if SPLIT:  # unnormalised: the combine kernel weighs the slices by their maxima
+        ns = tl.num_programs(2)
+        part = (t * H + heads) * ns + tl.program_id(2)  # [GROUP_P]
+        tl.store(out_ptr + part[:, None] * D + d[None, :], acc, mask=gmask[:, None])
+        tl.store(part_m_ptr + part, m, mask=gmask)
+        tl.store(part_l_ptr + part, l_sum, mask=gmask)
+    else:
+        out = acc / l_sum[:, None]
+        tl.store(out_ptr + (t * H + heads)[:, None] * D + d[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=gmask[:, None])
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_acc_ptr,  # [N * H, NSPLIT, D] fp32: each slice's unnormalised output
+    part_m_ptr, part_l_ptr,  # [N * H, NSPLIT] fp32
+    out_ptr,  # [N * H, D]
+    nsplit,
+    NSPLIT_P: tl.constexpr,  # nsplit rounded up to a power of two
+    D: tl.constexpr,
+):
+    r = tl.program_id(0)
+    sp = tl.arange(0, NSPLIT_P)
+    d = tl.arange(0, D)
+    ok = sp < nsplit
+    m = tl.load(part_m_ptr + r * nsplit + sp, mask=ok, other=float("-inf"))
+    l_sum = tl.load(part_l_ptr + r * nsplit + sp, mask=ok, other=0.0)
+    top = tl.max(m, 0)  # finite: the first slice always holds key 0
+    w = tl.where(ok & (m > float("-inf")), tl.exp(m - top), 0.0)  # an empty slice weighs nothing
+    acc = tl.load(part_acc_ptr + (r * nsplit + sp)[:, None] * D + d[None, :], mask=ok[:, None], other=0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_sum * w, 0)
+    tl.store(out_ptr + r * D + d, out.to(out_ptr.dtype.element_ty))
 
 
 def paged_attention(
@@ -75,7 +111,14 @@ def paged_attention(
     positions: torch.Tensor,  # [N] int64
     block_tables: torch.Tensor,  # [num_seqs, max_blocks] int32
     scale: float,
+    *,
+    split: int | None = None,  # cache blocks per slice of the context; None: split_policy's choice, 0: none
 ) -> torch.Tensor:  # [N, H, D]
+    """Each row's causal attention over its sequence's cached keys. One program per (row, kv
+    head) walks the whole context; with ``split`` the context is cut into slices of that many
+    blocks, one program each (flash-decoding), and a second launch combines the slices: at a
+    small batch and a long context the first leaves most of a GPU idle. The slice count
+    follows the block tables' width, which is fixed for a CUDA graph's buffers."""
     N, H, D = q.shape
     _, Hkv, BS, Dk = k_cache.shape
     if Dk != D or H % Hkv:
@@ -88,14 +131,56 @@ def paged_attention(
         return out
     q, k_cache, v_cache = q.contiguous(), k_cache.contiguous(), v_cache.contiguous()
     block_tables = block_tables.contiguous()
-    _paged_attention_kernel[(N, Hkv)](
-        q, k_cache, v_cache, out, seq_of, positions, block_tables,
-        block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), scale,
-        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=D, BS=BS,
-        # on a GPU an fp32 dot defaults to TF32 (10-bit mantissa): an fp32 model would attend
-        # less exactly than its torch reference; a 16-bit cache's values are exact in TF32
-        PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32")
+    if split is None:
+        split = split_policy(N, Hkv, block_tables.shape[1], q.device)
+    nsplit = -(-block_tables.shape[1] // split) if split else 1
+    # on a GPU an fp32 dot defaults to TF32 (10-bit mantissa): an fp32 model would attend less
+    # exactly than its torch reference; a 16-bit cache's values are exact in TF32
+    common = dict(GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), D=D, BS=BS,
+                  PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32")
+    args = (q, k_cache, v_cache)
+    tail = (seq_of, positions, block_tables, block_tables.stride(0), k_cache.stride(0), k_cache.stride(1), scale)
+    if nsplit <= 1:
+        _paged_attention_kernel[(N, Hkv)](*args, out, *tail, **common, SPLIT=False, BLOCKS_PER_SPLIT=1,
+                                          part_m_ptr=out, part_l_ptr=out)
+        return out
+    acc = torch.empty(N * H, nsplit, D, dtype=torch.float32, device=q.device)
+    m = torch.empty(N * H, nsplit, dtype=torch.float32, device=q.device)
+    l_sum = torch.empty_like(m)
+    _paged_attention_kernel[(N, Hkv, nsplit)](*args, acc, *tail, **common, SPLIT=True, BLOCKS_PER_SPLIT=split,
+                                              part_m_ptr=m, part_l_ptr=l_sum)
+    _combine_splits_kernel[(N * H,)](acc, m, l_sum, out, nsplit, NSPLIT_P=triton.next_power_of_2(nsplit), D=D)
     return out
+
+
+SPLIT_BLOCKS = 16  # cache blocks per slice when the context is split (256 keys at 16 a block)
+_SMS: dict = {}
+
+
+def split_policy(rows: int, kv_heads: int, table_blocks: int, device) -> int:
+    """Blocks per slice, 0 for no split: split where one program per (row, kv head) would
+    leave most of the GPU's multiprocessors idle and the block table is wide enough for four
+    slices or more. ``ADAPTSPEC_ATTENTION_SPLIT``: ``auto`` (this rule; the default), ``0``
+    (never), or a block count (always, slices of that many blocks). Everything it reads is
+    fixed by a CUDA graph's shapes, so a captured graph keeps its choice."""
+    import os
+
+    env = os.environ.get("ADAPTSPEC_ATTENTION_SPLIT", "auto")
+    if env != "auto":
+        try:
+            blocks = int(env)
+        except ValueError:
+            raise ValueError(f"ADAPTSPEC_ATTENTION_SPLIT={env!r}: expected auto, 0 or a block count") from None
+        if blocks < 0:
+            raise ValueError(f"ADAPTSPEC_ATTENTION_SPLIT={env!r}: expected auto, 0 or a block count")
+        return blocks
+    if getattr(device, "type", str(device)) != "cuda":
+        return 0
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    if rows * kv_heads >= _SMS[device] or table_blocks < 4 * SPLIT_BLOCKS:
+        return 0
+    return SPLIT_BLOCKS
 
 
 @triton.jit

@@ -37,7 +37,7 @@ def test_kernels_compile_for_sm90():
     proc = subprocess.run([sys.executable, "-W", "ignore", "-m", "adaptspec_kernels.compile_check", "--arch", "90"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.count("sm_90 ok") == 17
+    assert proc.stdout.count("sm_90 ok") == 23
     assert "rotary_and_write bf16" in proc.stdout and "paged_attention fp32" in proc.stdout
 
 

@@ -10,7 +10,9 @@ import torch
 from adaptspec_kernels.testing import load_kernels_or_skip
 
 _, DEVICE = load_kernels_or_skip()
-from adaptspec_kernels.triton_attention import paged_attention, rotary_and_write  # noqa: E402  (after the interpreter)
+from adaptspec_kernels.triton_attention import (  # noqa: E402  (after the interpreter is chosen)
+    paged_attention, rotary_and_write, split_policy,
+)
 
 from adaptspec.models.attention import TorchAttention, TritonAttention  # noqa: E402
 from adaptspec.models.batch import FlatBatch  # noqa: E402
@@ -75,6 +77,42 @@ def test_fused_rotary_refuses_mismatched_shapes():
         rotary_and_write(qkv[:, :-1], kc, vc, batch.slot_mapping, batch.positions, cos, sin, H)
     with pytest.raises(ValueError, match="rotary tables"):
         rotary_and_write(qkv, kc, vc, batch.slot_mapping, batch.positions, cos[:, :-2], sin, H)
+
+
+@pytest.mark.parametrize("split", [1, 2, 4])
+@pytest.mark.parametrize("heads", [(4, 2, 16), (6, 2, 16)])
+def test_a_context_split_into_slices_gives_the_reference(heads, split):
+    """Flash-decoding: the context cut into slices of ``split`` blocks, one program each, and
+    the slices combined by their maxima. Rows whose context ends before a slice leave it
+    empty (weight 0); the result is the torch reference's."""
+    H, Hkv, D = heads
+    batch, kc, vc, qkv, cos, sin, _ = _setup(H, Hkv, D)
+    ref, tri = TorchAttention(H, Hkv, D, cos, sin), TritonAttention(H, Hkv, D, cos, sin)
+    want = ref.attend(qkv.clone(), kc.clone(), vc.clone(), batch, ref.prepare(batch))
+    kc2, vc2 = kc.clone(), vc.clone()
+    q = rotary_and_write(qkv.clone(), kc2, vc2, batch.slot_mapping, batch.positions, cos, sin, H)
+    seq_of = tri.prepare(batch)
+    got = paged_attention(q, kc2, vc2, seq_of, batch.positions, batch.block_tables, D ** -0.5, split=split)
+    whole = paged_attention(q, kc2, vc2, seq_of, batch.positions, batch.block_tables, D ** -0.5, split=0)
+    assert (got.reshape(want.shape) - want).abs().max() <= 2e-5
+    assert (got - whole).abs().max() <= 2e-5
+    # the control: a slice combined with the wrong weight (its sum doubled) is caught
+    wrong = got.clone()
+    wrong[1] = got[1] * 0.5
+    assert (wrong.reshape(want.shape) - want).abs().max() > 1e-3
+
+
+def test_the_split_policy(monkeypatch):
+    monkeypatch.delenv("ADAPTSPEC_ATTENTION_SPLIT", raising=False)
+    assert split_policy(1, 8, 256, torch.device("cpu")) == 0  # auto: the CPU never splits
+    monkeypatch.setenv("ADAPTSPEC_ATTENTION_SPLIT", "8")
+    assert split_policy(64, 8, 4, torch.device("cpu")) == 8  # forced
+    monkeypatch.setenv("ADAPTSPEC_ATTENTION_SPLIT", "0")
+    assert split_policy(1, 8, 256, torch.device("cpu")) == 0
+    for bad in ("often", "-2"):
+        monkeypatch.setenv("ADAPTSPEC_ATTENTION_SPLIT", bad)
+        with pytest.raises(ValueError, match="ADAPTSPEC_ATTENTION_SPLIT"):
+            split_policy(1, 8, 256, torch.device("cpu"))
 
 
 def test_the_comparison_can_fail():
