@@ -36,7 +36,8 @@ Sections:
   recorded, not judged); each eager and with CUDA graphs (``self_draft_graphs``: the
   target's steps and the draft's k passes replay graphs).
 * ``long_context``: plain decode over a 4,096-token context at batch 1 and 8 (graphs where
-  they run), each step against its floor with the KV cache it reads counted.
+  they run), each step against its floor with the KV cache it reads counted; with the
+  attention's context split as the engine chooses and never split.
 * ``profile``: where a batch-1 decode step's time goes (``torch.profiler`` over engine steps,
   with graphs and eager): wall per step, the device's busy time (its kernels and copies),
   the host's share, the top kernels and host ops.
@@ -476,9 +477,11 @@ def table(result: dict) -> str:
                          f"over plain" + (f", engine overhead {r['engine_overhead_ms']} ms/step"
                                           if r.get("engine_overhead_ms") is not None else ""))
     lc = s.get("long_context", {})
-    for b, r in (lc.get("by_batch") or {}).items():
-        lines.append(f"  decode ({lc['mode']}) over {lc['context_tokens']} tokens, batch {b}: {r['tokens_per_s']} tok/s, "
-                     f"{r['step_ms']} ms a step" + (f", {r['over_floor']}x its floor" if r.get("over_floor") else ""))
+    for split, rows in (lc.get("by_split") or {}).items():
+        for b, r in rows.items():
+            lines.append(f"  decode ({lc['mode']}) over {lc['context_tokens']} tokens, split {split}, batch {b}: "
+                         f"{r['tokens_per_s']} tok/s, {r['step_ms']} ms a step"
+                         + (f", {r['over_floor']}x its floor" if r.get("over_floor") else ""))
     pr = s.get("profile", {})
     for mode, p in (pr.get("modes") or {}).items():
         lines.append(f"  profile b1 ({mode}): {p['wall_ms_per_step']} ms/step, device busy {p['device_busy_ms_per_step']} ms, "

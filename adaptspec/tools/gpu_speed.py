@@ -419,10 +419,13 @@ def profile_section(opts, state: dict) -> dict:
 
 def long_context_section(opts, state: dict) -> dict:
     """Plain decode over a long context (4,096 tokens; tiny: 256), with graphs where they run:
-    the step against its bandwidth floor, which now counts the KV cache each step reads. The
-    attention kernel runs one program per (row, kv head) and walks the context block by block
-    (no split over the context), so this is where a long context would show its cost."""
+    each step against its bandwidth floor, which counts the KV cache the step reads. Twice:
+    with the attention's context split as the engine chooses (``auto``) and never split
+    (``0``, one program per row and kv head walking the whole context)."""
+    import os
+
     from adaptspec.engine.params import SpecConfig
+    from adaptspec.models.synthetic import weight_bytes
 
     tgt = state["target"]
     c = tgt.model.cfg
@@ -430,23 +433,32 @@ def long_context_section(opts, state: dict) -> dict:
     batches = [b for b in (1, 8) if b <= max(opts.batches)] or [1]
     graphs = _graphs_here(opts) and "cuda_graphs" in engine_fields()
     steps = opts.decode_steps
-    eng = make_engine(tgt, graphs=graphs, max_num_seqs=max(batches), max_model_len=ctx + steps + 64,
-                      cuda_graph_max_tokens=max(batches))
-    out: dict = {"context_tokens": ctx, "mode": "graphs" if graphs else "eager", "by_batch": {}, "errors": {}}
     kv_tok = 2 * c.num_layers * c.num_kv_heads * c.head_dim * tgt.model.compute_dtype.itemsize
     bw = state.get("bytes_per_s")
-    for b in batches:
-        try:
-            r = run_timed(eng, _prompts(b, ctx, tgt.vocab_size, seed=300 + b), SpecConfig(), warmup_steps=3,
-                          steps=steps, max_new_tokens=steps + 8)
-            if bw and r["step_ms"]:
-                from adaptspec.models.synthetic import weight_bytes
-
-                floor_ms = 1e3 * (weight_bytes(tgt.model)["per_decode_step"] + kv_tok * ctx * b) / bw
-                r["floor_ms"] = round(floor_ms, 4)
-                r["over_floor"] = round(r["step_ms"] / floor_ms, 4)
-            out["by_batch"][str(b)] = r
-        except Exception as e:
-            out["errors"][str(b)] = error_record(e)
-    del eng
+    out: dict = {"context_tokens": ctx, "mode": "graphs" if graphs else "eager", "by_split": {}, "errors": {}}
+    before = os.environ.get("ADAPTSPEC_ATTENTION_SPLIT")
+    try:
+        for split in ("auto", "0"):
+            os.environ["ADAPTSPEC_ATTENTION_SPLIT"] = split  # read when a step (or its graph) is built
+            eng = make_engine(tgt, graphs=graphs, max_num_seqs=max(batches), max_model_len=ctx + steps + 64,
+                              cuda_graph_max_tokens=max(batches))
+            rows = out["by_split"][split] = {}
+            for b in batches:
+                try:
+                    r = run_timed(eng, _prompts(b, ctx, tgt.vocab_size, seed=300 + b), SpecConfig(), warmup_steps=3,
+                                  steps=steps, max_new_tokens=steps + 8)
+                    if bw and r["step_ms"]:
+                        floor_ms = 1e3 * (weight_bytes(tgt.model)["per_decode_step"] + kv_tok * ctx * b) / bw
+                        r["floor_ms"] = round(floor_ms, 4)
+                        r["over_floor"] = round(r["step_ms"] / floor_ms, 4)
+                    rows[str(b)] = r
+                except Exception as e:
+                    out["errors"][f"{split}/{b}"] = error_record(e)
+            del eng
+    finally:
+        if before is None:
+            os.environ.pop("ADAPTSPEC_ATTENTION_SPLIT", None)
+        else:
+            os.environ["ADAPTSPEC_ATTENTION_SPLIT"] = before
+    out["by_batch"] = out["by_split"].get("auto", {})
     return out
