@@ -31,7 +31,7 @@ Sections:
 * ``verify_cost``: verifying 1..9 tokens at batch 1, relative to one: the model's forward
   alone (eager) and whole engine steps (a fixed drafter proposing k candidates).
 * ``spec``: speculative decoding with a self-draft (the target as its own draft: greedy
-  accepts nearly every token, so what is left is the engine's overhead) and with n-gram
+  accepts nearly every token; its step against k + 1 plain steps) and with n-gram
   lookup on repetitive prompts (a random model need not repeat them: its acceptance is
   recorded, not judged); each eager and with CUDA graphs (``self_draft_graphs``: the
   target's steps and the draft's k passes replay graphs).
@@ -474,8 +474,8 @@ def table(result: dict) -> str:
         for name, r in sp.get("runs", {}).items():
             lines.append(f"  spec {name} k={sp['k']}: {r['tokens_per_s']} tok/s, accepted length "
                          f"{r['mean_accepted_length']}, acceptance {r['acceptance_rate']}, x{r.get('speedup_over_plain')} "
-                         f"over plain" + (f", engine overhead {r['engine_overhead_ms']} ms/step"
-                                          if r.get("engine_overhead_ms") is not None else ""))
+                         f"over plain" + (f", a step {r['step_over_k_plus_1_plain']}x k + 1 plain steps"
+                                          if r.get("step_over_k_plus_1_plain") is not None else ""))
     lc = s.get("long_context", {})
     for split, rows in (lc.get("by_split") or {}).items():
         for b, r in rows.items():
