@@ -264,6 +264,9 @@ def rotary_and_write(
                          "(head_dim a power of two)")
     if cos.shape[1] != D or sin.shape != cos.shape:
         raise ValueError(f"rotary_and_write: rotary tables {tuple(cos.shape)} / {tuple(sin.shape)}, head_dim {D}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape):
+        raise ValueError("rotary_and_write: the caches must be contiguous [num_blocks, Hkv, BS, D] of one shape "
+                         "(the kernel writes at offsets computed from that layout)")
     q = torch.empty(N, num_heads, D, dtype=torch.promote_types(qkv.dtype, cos.dtype), device=qkv.device)
     if q.dtype not in _ROUND:
         raise ValueError(f"rotary_and_write: {q.dtype} is not float32, bfloat16 or float16")

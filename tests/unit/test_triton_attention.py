@@ -77,6 +77,9 @@ def test_fused_rotary_refuses_mismatched_shapes():
         rotary_and_write(qkv[:, :-1], kc, vc, batch.slot_mapping, batch.positions, cos, sin, H)
     with pytest.raises(ValueError, match="rotary tables"):
         rotary_and_write(qkv, kc, vc, batch.slot_mapping, batch.positions, cos[:, :-2], sin, H)
+    with pytest.raises(ValueError, match="contiguous"):
+        rotary_and_write(qkv, kc.transpose(2, 3).contiguous().transpose(2, 3), vc, batch.slot_mapping, batch.positions,
+                         cos, sin, H)
 
 
 @pytest.mark.parametrize("split", [1, 2, 4])
