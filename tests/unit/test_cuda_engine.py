@@ -17,6 +17,8 @@ below the best: the control below).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -132,9 +134,10 @@ def test_a_seeded_sampled_bf16_run_repeats_itself_draw_for_draw(folder, device):
     """The precondition of every draw-for-draw comparison: two engines of one configuration,
     given the same seeded requests, emit the same tokens (bf16, where a forward that rounded
     differently between runs would move a sampled token)."""
-    runs = [[o.token_ids for o in _engine(folder, "bfloat16", device).generate(_prompts(), SAMPLED, SPECS)]
-            for _ in range(2)]
+    runs = [[o.token_ids for o in _engine(folder, "bfloat16", device).generate(_prompts(), params, SPECS)]
+            for params in (SAMPLED, SAMPLED, [replace(p, seed=p.seed + 100 if p.seed else None) for p in SAMPLED])]
     assert runs[0] == runs[1]
+    assert runs[2] != runs[0]  # the control: other seeds draw other tokens (the runs do sample)
 
 
 @pytest.mark.cuda
