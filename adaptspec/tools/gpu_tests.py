@@ -157,7 +157,6 @@ def run_pytest(files: list[str], timeout_s: float, *, cwd: Path = REPO, extra_pa
         out = {"files": files, "returncode": rc, "timed_out": timed_out, "seconds": round(time.monotonic() - t0, 1),
                "output_tail": _EXT_LIST.sub("Extension modules: (left out)", text)[-3000:],
                "attempts": attempts}
-        seen = read_stream(stream)
         if seen["finished"] or seen["crashed"]:
             counts = {k: seen[k] for k in ("passed", "failed", "errors", "skipped", "failures", "skip_reasons")}
             out.update(counts, counted_from="stream")
