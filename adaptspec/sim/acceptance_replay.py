@@ -101,10 +101,20 @@ def settled(k: int, m: int, j: int) -> bool:
     return m < k or j < m
 
 
+def _telling(k: int, m: int, j: int) -> tuple[int, int, int]:
+    """How much a step says of any other k's step at its position, as a sort key: settled
+    (what is kept) first, then whether the proposals ran out (how many any k gets proposed),
+    then how deep it asked (proposals seen that far)."""
+    return int(settled(k, m, j)), int(m < k), k
+
+
 def _keep_trace(trace: dict[int, tuple[int, int, int]], pos: int, k: int, m: int, j: int) -> None:
-    """Keep the most telling step seen at ``pos``: a settled one, else the deepest k asked."""
+    """Keep the most telling step seen at ``pos`` (``_telling``): a settled one over a censored
+    one; of two settled ones, one whose drafter ran out, else the deeper k (a static k = 4 run's
+    rejection says nothing of how many an n-gram drafter proposes at k = 8; the adaptive run's
+    step there at k = 8 does). An equal one does not replace the first."""
     old = trace.get(pos)
-    if old is None or (not settled(*old) and (settled(k, m, j) or k > old[0])):
+    if old is None or _telling(k, m, j) > _telling(*old):
         trace[pos] = (k, m, j)
 
 
@@ -340,16 +350,47 @@ class RecordedAcceptance:
         if not self.trace or prompts is None or positions is None:
             self.drawn += n
             return proposed, accepted
+        row_model = None
         for i, (p, t) in enumerate(zip(np.asarray(prompts).tolist(), np.asarray(positions).tolist())):
             seen = self.trace.get(p, {}).get(t)
-            got = None if seen is None else replay_step(k if limits is None else min(k, int(limits[i])), *seen,
-                                                         full=self.full)
+            asked = k if limits is None else min(k, int(limits[i]))
+            got = None if seen is None else replay_step(asked, *seen, full=self.full)
             if got is None:
                 self.drawn += 1
-            else:  # kept as it went; proposed as it went, or drawn within what was seen
-                proposed[i], accepted[i] = min(max(int(proposed[i]), got[0]), got[1]), got[2]
-                self.replayed += 1
+                continue
+            lo, hi, kept = got
+            if lo < hi:  # the live step proposed all it asked for: how many more is drawn given that
+                if row_model is None:
+                    row_model = self._row_models(k, prompts, n)
+                lo = row_model[i]._proposed_within(asked, lo, hi, rng)
+            proposed[i], accepted[i] = lo, kept  # kept as it went
+            self.replayed += 1
         return proposed, accepted
+
+    def _row_models(self, k: int, prompts, n: int) -> list["RecordedAcceptance"]:
+        """The model that replays each of ``n`` rows (``_by_prompt``)."""
+        out: list = [self] * n
+        for rows, m in self._by_prompt(k, prompts):
+            for r in (range(n) if rows is None else rows.tolist()):
+                out[r] = m
+        return out
+
+    def _proposed_within(self, k: int, lo: int, hi: int, rng: np.random.Generator) -> int:
+        """Candidates proposed asking for ``k``, given that there were ``lo`` to ``hi``: drawn
+        from the recording's proposals at ``k`` that fall there, or where ``k`` has too few
+        steps, candidate by candidate past ``lo`` at the chance one is there given the one
+        before was. Clamping an unconditional draw into [lo, hi] instead piles every shorter
+        proposal onto ``lo``: a drafter that ran to the end of a short ask mostly runs on."""
+        h = self._enough(k)
+        if h is not None:
+            pm = h.sum(axis=1)[lo: hi + 1].astype(float)
+            if pm.sum() > 0:
+                return lo + int(rng.choice(pm.size, p=pm / pm.sum()))
+        there, _ = self.proposal_probs(k)
+        m = lo
+        while m < hi and rng.random() < there[m]:
+            m += 1
+        return m
 
     def _sample(self, k: int, n: int, rng: np.random.Generator) -> np.ndarray:
         h = self._enough(k)

@@ -205,7 +205,8 @@ def simulate_closed_loop(setup: RunSetup, policy: Policy, clients: int, think: T
     req = Requests(np.full(cap, np.inf), np.ones(cap, dtype=np.int64), np.ones(cap, dtype=np.int64),
                    np.zeros(cap, dtype=np.int64), np.full(cap, -1, dtype=np.int64), np.zeros(cap, dtype=np.int64))
     rec = Recorder(cap, len(setup.classes), policy.table.arms, setup.bin_s, num_bins,
-                   step_shapes=[] if setup.record_shapes else None)
+                   step_shapes=[] if setup.record_shapes else None,
+                   request_arms={} if setup.record_shapes else None)
     replicas = _replicas(setup, policy, req, rec)
     shifts = sorted({c.shift_at_s for c in setup.classes if c.shift_at_s is not None})
     next_send = np.zeros(clients)  # when each client sends its next request (inf: waiting for one, or done)

@@ -61,6 +61,9 @@ class Recorder:
     step_emitted: list[int] = field(default_factory=list)
     # a list: every step's shape is appended (``sim.step_shapes``; fidelity runs keep them)
     step_shapes: list | None = None
+    # {request id: {arm ("drafter:k", "none:0"): request-steps}}: what a live request's row
+    # carries (fidelity runs compare them); None: not kept
+    request_arms: dict | None = None
     arm_counts: np.ndarray = field(init=False)  # [C, bins, A] request-steps per arm
     accepted_sum: np.ndarray = field(init=False)  # [C, bins] sum of accepted lengths
     accepted_n: np.ndarray = field(init=False)  # [C, bins] request-steps
@@ -343,6 +346,12 @@ class Replica:
             if n == 0:
                 continue
             a_sum = int(acc.sum())
+            if rec.request_arms is not None:
+                key = f"{arm.drafter}:{arm.k}" if arm.k > 0 else "none:0"
+                rids = self.rid[dec[lo:hi]] if sel is None else self.rid[dec[lo:hi]][sel]
+                for r in rids.tolist():
+                    per = rec.request_arms.setdefault(r, {})
+                    per[key] = per.get(key, 0) + 1
             col = rec.arm_slot(arm)  # first: a new arm grows arm_counts
             rec.arm_counts[c, b, col] += n
             rec.accepted_n[c, b] += n

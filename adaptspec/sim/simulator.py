@@ -51,7 +51,8 @@ class Simulation:
         if recorder is None:
             num_bins = int(np.ceil(self.horizon / setup.bin_s)) + 1
             recorder = Recorder(len(req), len(setup.classes), policy.table.arms, setup.bin_s, num_bins,
-                                step_shapes=[] if setup.record_shapes else None)
+                                step_shapes=[] if setup.record_shapes else None,
+                                request_arms={} if setup.record_shapes else None)
         self.rec = recorder
         self.rng = np.random.default_rng(setup.seed)
         self.replicas = [Replica(setup.cost, policy, setup.classes, req, recorder, np.random.default_rng([setup.seed, i]),

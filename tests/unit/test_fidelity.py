@@ -181,8 +181,10 @@ def test_recorder_keeps_counts_per_prompt_when_it_knows_each_requests_prompt():
 
 def test_recorder_keeps_the_most_telling_step_per_prompt_and_position():
     """Per prompt and output position the recorder keeps one step: a settled one (a rejection,
-    or fewer proposed than asked) over a censored one (all kept), else the deepest k asked; a
-    step under a confidence threshold, or without a position or a prompt, is not kept there."""
+    or fewer proposed than asked) over a censored one (all kept); of settled ones, one whose
+    drafter ran out, else the deepest k asked (how many an n-gram lookup proposes is seen only
+    that far); of censored ones, the deepest. A step under a confidence threshold, or without a
+    position or a prompt, is not kept there."""
     from adaptspec.sim.acceptance_replay import settled
 
     rec = AcceptanceRecorder(prompt_of={"a": 0, "b": 1}.get)
@@ -191,6 +193,12 @@ def test_recorder_keeps_the_most_telling_step_per_prompt_and_position():
     rec.observe("c", "draft", 2, 2, 2, prompt=0, position=1)  # shallower: does not
     rec.observe("c", "draft", 4, 4, 1, prompt=0, position=5)  # settled (kept 1 of 4)
     rec.observe("c", "draft", 8, 8, 8, prompt=0, position=5)  # censored: never replaces a settled one
+    rec.observe("c", "ngram", 4, 4, 1, prompt=0, position=2)  # settled; proposals seen up to 4
+    rec.observe("c", "ngram", 8, 8, 1, prompt=0, position=2)  # settled deeper: replaces it
+    rec.observe("c", "ngram", 8, 6, 1, prompt=0, position=3)  # settled, the lookup ran out at 6
+    rec.observe("c", "ngram", 4, 4, 1, prompt=0, position=3)  # a shallower ask: does not
+    rec.observe("c", "ngram", 2, 2, 1, prompt=0, position=4)
+    rec.observe("c", "ngram", 4, 3, 1, prompt=0, position=4)  # ran out: says more than a full k = 2
     rec.observe("c", "draft", 4, 4, 0, prompt=1, position=1, threshold=0.3)  # a threshold stopped it
     rec.observe("c", "draft", 4, 4, 0, prompt=1)  # no position
     rec.observe("c", "draft", 4, 4, 0, position=2)  # no prompt
@@ -199,6 +207,7 @@ def test_recorder_keeps_the_most_telling_step_per_prompt_and_position():
     f = AcceptanceFile.model_validate(json.loads(json.dumps(rec.to_file("t").model_dump())))
     d = f.classes["c"]["draft"]
     assert d.by_position == {0: {1: [4, 4, 4], 5: [4, 4, 1]}, 1: {7: [3, 3, 1]}}
+    assert f.classes["c"]["ngram"].by_position == {0: {2: [8, 8, 1], 3: [8, 6, 1], 4: [4, 3, 1]}}
     assert np.array(d.joint[4]).sum() == 5  # every step still counts for the class
     assert settled(4, 2, 2) and settled(4, 4, 1) and not settled(4, 4, 4)
     plain = AcceptanceRecorder()
@@ -233,6 +242,27 @@ def _walk(lengths, k: int, rec: AcceptanceRecorder, prompt: int, drafter: str = 
             rec.observe("c", drafter, k_t, k_t, j, prompt=prompt, position=t)
         t, steps = t + j + 1, steps + 1
     return steps
+
+
+def test_a_live_step_that_proposed_all_it_asked_replays_deeper_asks_from_the_recordings_tail_with_a_control():
+    """At k = 8 the class's n-gram lookup proposed all 8 in 80 steps and 1 in 20; at a position
+    a static k = 4 run saw 4 proposed, 2 kept. Asked for 8 there, the lookup had at least 4 to
+    propose, so the replay draws from the recording's proposals of 4 or more: all 8 (2 kept).
+    Control: clamping an unconditional draw into 4..8 (the replay before) piles the steps that
+    proposed 1 onto 4, about a fifth of them."""
+    h = np.zeros((9, 9), dtype=np.int64)
+    h[8, 0], h[1, 0] = 80, 20
+    model = RecordedAcceptance({8: h}, trace={0: {5: (4, 4, 2)}})
+    n = 400
+    proposed, kept = model.sample_proposed(8, n, np.random.default_rng(0), np.zeros(n, dtype=np.int64),
+                                           np.full(n, 5))
+    assert set(proposed.tolist()) == {8} and set(kept.tolist()) == {2} and model.replayed == n
+    clamped = np.clip(model._sample_proposed(8, n, np.random.default_rng(0))[0], 4, 8)
+    assert 0.12 < float(np.mean(clamped == 4)) < 0.28
+    # too few steps at k = 8: candidate by candidate past 4 at the pooled chance one is there
+    sparse = RecordedAcceptance({8: h}, min_steps=1000, trace={0: {5: (4, 4, 2)}})
+    got, _ = sparse.sample_proposed(8, n, np.random.default_rng(1), np.zeros(n, dtype=np.int64), np.full(n, 5))
+    assert got.min() >= 4 and float(np.mean(got == 8)) > 0.95  # positions 5-8: proposed whenever 2 was
 
 
 def test_a_request_replayed_by_position_takes_the_steps_its_live_run_took_with_a_control():
@@ -1089,6 +1119,21 @@ def test_a_speed_factor_of_two_halves_a_static_policys_simulated_throughput():
     # a run without a factor takes the mean of the others' (here 2: both rounds at half speed)
     half, _ = simulate_all(cfg, opts, cost, truths, specs, prompts, speed={key: [float("nan"), 2.0]})[key]
     assert side_metrics([half[0]], None).throughput == pytest.approx(tput[1])
+
+
+def test_simulated_rows_carry_their_requests_arm_steps_as_live_rows_do_with_a_control():
+    """Each simulated request's row says how many of its steps ran each arm, as a live row
+    does: at static:none:0 one step a token after the prefill's first. Control: a simulation
+    that does not keep them (not a fidelity run) leaves the rows without arms."""
+    from adaptspec.sim.fidelity_run import simulate_all
+
+    cfg, opts, cost, truths, specs, prompts = _speed_setup(rounds=1)
+    runs, _ = simulate_all(cfg, opts, cost, truths, specs, prompts)[("static:none:0", "c=1")]
+    done = [r for run in runs for r in run.rows if math.isfinite(r.end_s)]
+    assert done and all(r.arms == {"none:0": r.tokens - 1} for r in done if r.tokens > 1)
+    from adaptspec.sim.replica import Recorder
+
+    assert Recorder(1, 1, [], 1.0, 1).request_arms is None
 
 
 def test_a_prompt_factor_moves_the_simulated_first_token_alone():
