@@ -15,7 +15,7 @@ verified one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +33,7 @@ class StepSample:
     verify_s: float
     draft_s: float
     other_s: float
+    pass_index: int = 0  # the calibration pass that measured it (the steps CSV's ``pass``)
 
 
 def fit_profile(samples: list[StepSample], *, name: str, max_num_seqs: int, kv_capacity_tokens: int,
@@ -146,7 +147,7 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
               batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), ks: tuple[int, ...] = (1, 2, 4, 8),
               prompt_tokens: int | tuple[int, ...] = 128, context_term: bool = True, prefill: bool = False,
               engine_options: dict | None = None, probe: bool = True, passes: int = 2,
-              prompt_lengths: tuple[int, ...] = (8, 16, 32, 64, 128)) -> Path:
+              prompt_lengths: tuple[int, ...] = (8, 16, 32, 64, 128), warmup: bool = True) -> Path:
     """``prefill``: also keep each point's admission step (its prompts' prefill and whatever
     the engine runs with it) as a sample at its prefill + verify tokens, so the profile's
     token table reaches prompt-sized passes (the simulator prices a step's prompt chunks on
@@ -161,7 +162,13 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
     another, which bends the token table (the shape the policy prices k by).
     ``prompt_lengths`` (with ``prefill``): each pass also times ``repeats`` one-request prompt
     passes of each length (fresh random tokens: no prefix-cache hit), the prompt table.
-    ``prompt_tokens``: the decode points' prompt length, or lengths taken in turn (above)."""
+    ``prompt_tokens``: the decode points' prompt length, or lengths taken in turn (above).
+    ``warmup``: one untimed pass over the grid first. On the CPU the first steps of a shape
+    not seen before (a token count, a batch size) pay one-off set-up in the kernels: SmolLM2
+    fp32's first nine-token verification passes took 43-48 ms where the warm ones and the live
+    engine's took 31-33, and those cold samples raised the table's nine-token price by half,
+    which steered a simulated controller off k = 8. A live engine meets each shape cold once
+    in thousands of steps; a calibration meets many of them for the first time."""
     if passes < 1:  # before the models load: a bad value fails at once
         raise ValueError(f"calibrate: passes must be >= 1, got {passes}")
     contexts = (int(prompt_tokens),) if isinstance(prompt_tokens, int) else tuple(int(n) for n in prompt_tokens)
@@ -196,10 +203,14 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
     # point j of pass i prompts with contexts[(i + j) % n]: within a pass the lengths alternate
     # (drift hits both alike), and over n passes every point meets every length
     order = lambda i: enumerate(points) if i % 2 == 0 else reversed(list(enumerate(points)))  # noqa: E731
-    grid = [(*pt, contexts[(i + j) % len(contexts)]) for i in range(passes) for j, pt in order(i)]
-    for b, drafter, k, plen in tqdm(grid, desc="calibrate", unit="point"):
+    grid = [(i, *pt, contexts[(i + j) % len(contexts)]) for i in range(passes) for j, pt in order(i)]
+    if warmup:  # pass -1: measured as the others, kept by none
+        grid = [(-1, *pt, contexts[j % len(contexts)]) for j, pt in order(0)] + grid
+    timed: list[StepSample] = []
+    for i, b, drafter, k, plen in tqdm(grid, desc="calibrate", unit="point"):
+        samples = [] if i < 0 else timed
         if drafter == "prompt":
-            samples += _prompt_passes(engine, k, steps, rng, vocab)
+            samples += [replace(x, pass_index=i) for x in _prompt_passes(engine, k, steps, rng, vocab)]
             continue
         ids = []
         # the step's token budget chunks the prompts over this many steps, and the requests
@@ -218,7 +229,7 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
             st = engine.last_step
             if prefill and st is not None and st.prefill_tokens:
                 samples.append(StepSample(b, "prefill", 0, st.prefill_tokens + st.verify_tokens, st.context_tokens,
-                                          st.prefill_s + st.verify_s, st.draft_s, st.other_s))
+                                          st.prefill_s + st.verify_s, st.draft_s, st.other_s, i))
             if not engine.scheduler.waiting and not any(s.prefilling for s in engine.scheduler.running):
                 break
         for _ in range(steps):
@@ -227,19 +238,22 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
             if st is None or st.batch_size != b:
                 break
             samples.append(StepSample(b, drafter, k, st.verify_tokens, st.context_tokens, st.verify_s,
-                                      st.draft_s, st.other_s))
+                                      st.draft_s, st.other_s, i))
         for rid in ids:
             engine.abort(rid)
+    samples = timed
     with open(Path(out).with_suffix(".steps.csv"), "w") as f:  # the raw measurements, for the record
-        f.write("batch_size,drafter,k,verify_tokens,context_tokens,verify_s,draft_s,other_s\n")
+        f.write("batch_size,drafter,k,verify_tokens,context_tokens,verify_s,draft_s,other_s,pass\n")
         for x in samples:
             f.write(f"{x.batch_size},{x.drafter},{x.k},{x.verify_tokens},{x.context_tokens},{x.verify_s:.6f},"
-                    f"{x.draft_s:.6f},{x.other_s:.6f}\n")
+                    f"{x.draft_s:.6f},{x.other_s:.6f},{x.pass_index}\n")
     kv = max_seqs * engine.config.max_model_len
     prof = fit_profile(samples, name=f"{target} + {draft or 'no draft'} on {device} ({dtype}), calibrated",
                        max_num_seqs=max_seqs, kv_capacity_tokens=kv,
                        max_batched_tokens=max(max(contexts) * max_seqs, 512),
                        context_term=context_term)
+    if warmup:
+        prof.notes.append("after an untimed warm-up pass over the grid")
     if probe:
         probes.append(speed_probe(engine))
         prof.probe = probe_ref(*probes)
@@ -287,7 +301,8 @@ def read_steps(path: str | Path) -> list[StepSample]:
 
     with open(path, newline="") as f:
         return [StepSample(int(r["batch_size"]), r["drafter"], int(r["k"]), int(r["verify_tokens"]),
-                           int(r["context_tokens"]), float(r["verify_s"]), float(r["draft_s"]), float(r["other_s"]))
+                           int(r["context_tokens"]), float(r["verify_s"]), float(r["draft_s"]), float(r["other_s"]),
+                           int(r.get("pass") or 0))
                 for r in csv.DictReader(f)]
 
 

@@ -88,6 +88,9 @@ def register(app: typer.Typer) -> None:
         passes: int = typer.Option(2, help="times the grid is measured, every other pass in reverse order "
                                            "(the machine's speed drifts during a calibration: pooled passes "
                                            "spread the drift over every point instead of bending the table)"),
+        warmup: bool = typer.Option(True, "--warmup/--no-warmup",
+                                    help="one untimed pass over the grid first: on the CPU a step of a shape "
+                                         "not met before pays one-off kernel set-up (see calibrate)"),
         context_term: bool = typer.Option(True, "--context-term/--no-context-term",
                                           help="fit verify time per KV token read as well, from points measured at "
                                                "several contexts (off: a table over verify tokens alone, see "
@@ -122,7 +125,7 @@ def register(app: typer.Typer) -> None:
                        batch_sizes=tuple(int(x) for x in batch.split(",")), ks=tuple(int(x) for x in ks.split(",")),
                        context_term=context_term, passes=passes, prompt_tokens=contexts,
                        prefill=bool(prompt_lengths.strip()),
-                       prompt_lengths=tuple(int(x) for x in prompt_lengths.split(",") if x.strip()))
+                       prompt_lengths=tuple(int(x) for x in prompt_lengths.split(",") if x.strip()), warmup=warmup)
         except (RuntimeError, ValueError) as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2)
