@@ -164,11 +164,10 @@ def calibrate(out: Path, *, target: str, draft: str | None, dtype: str, device: 
     passes of each length (fresh random tokens: no prefix-cache hit), the prompt table.
     ``prompt_tokens``: the decode points' prompt length, or lengths taken in turn (above).
     ``warmup``: one untimed pass over the grid first. On the CPU the first steps of a shape
-    not seen before (a token count, a batch size) pay one-off set-up in the kernels: SmolLM2
-    fp32's first nine-token verification passes took 43-48 ms where the warm ones and the live
-    engine's took 31-33, and those cold samples raised the table's nine-token price by half,
-    which steered a simulated controller off k = 8. A live engine meets each shape cold once
-    in thousands of steps; a calibration meets many of them for the first time."""
+    not seen before (a token count, a batch size) pay one-off set-up in the kernels, enough to
+    raise a token count's price in the table by half, which steers a controller priced on it
+    off the k that makes that count. A live engine meets each shape cold once in thousands of
+    steps; a calibration meets many of them for the first time."""
     if passes < 1:  # before the models load: a bad value fails at once
         raise ValueError(f"calibrate: passes must be >= 1, got {passes}")
     contexts = (int(prompt_tokens),) if isinstance(prompt_tokens, int) else tuple(int(n) for n in prompt_tokens)

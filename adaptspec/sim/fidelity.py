@@ -519,7 +519,9 @@ def rows_from_sim(requests, recorder, class_names: list[str]) -> list[Row]:
     for i in range(len(requests)):
         rows.append(Row(class_names[int(requests.class_idx[i])], float(requests.arrival_s[i]),
                         float(recorder.first_token_s[i]), float(recorder.finish_s[i]),
-                        int(requests.output_tokens[i]), prompt_index=-1 if requests.prompt_idx is None else int(requests.prompt_idx[i]),
+                        int(requests.output_tokens[i]),
+                        # its class's prompt, as a live row names it; the arm steps when kept
+                        prompt_index=-1 if requests.prompt_idx is None else int(requests.prompt_idx[i]),
                         arms=dict((recorder.request_arms or {}).get(i, {}))))
     return rows
 
