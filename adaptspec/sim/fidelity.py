@@ -528,18 +528,15 @@ def rows_from_sim(requests, recorder, class_names: list[str]) -> list[Row]:
 
 def sim_arm_steps(recorder, class_names: list[str], window: tuple[float, float]) -> dict[str, dict[str, float]]:
     """Request-steps per arm and class in the bins inside ``window``."""
+    from adaptspec.sim.replica import arm_key
+
     lo = int(math.floor(window[0] / recorder.bin_s))
     hi = max(int(math.ceil(window[1] / recorder.bin_s)), lo + 1)
     counts = recorder.arm_counts[:, lo:hi, :].sum(axis=1)  # [C, A]
     out = {}
     for c, name in enumerate(class_names):
-        out[name] = {_arm_key(a): float(counts[c, i]) for i, a in enumerate(recorder.arms) if counts[c, i] > 0}
+        out[name] = {arm_key(a): float(counts[c, i]) for i, a in enumerate(recorder.arms) if counts[c, i] > 0}
     return out
-
-
-def _arm_key(arm) -> str:
-    """The engine's spelling of an arm ("drafter:k", "none:0")."""
-    return f"{arm.drafter}:{arm.k}" if arm.k > 0 else "none:0"
 
 
 class SnapshotPolicy:

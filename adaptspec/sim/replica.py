@@ -43,6 +43,11 @@ class ClassTruth:
         return self.acceptance
 
 
+def arm_key(arm: Arm) -> str:
+    """The engine's spelling of an arm ("drafter:k", "none:0"): a live row's arm names."""
+    return f"{arm.drafter}:{arm.k}" if arm.k > 0 else "none:0"
+
+
 @dataclass(slots=True)
 class Recorder:
     """Everything a run measures, filled by replicas as steps complete."""
@@ -347,7 +352,7 @@ class Replica:
                 continue
             a_sum = int(acc.sum())
             if rec.request_arms is not None:
-                key = f"{arm.drafter}:{arm.k}" if arm.k > 0 else "none:0"
+                key = arm_key(arm)
                 rids = self.rid[dec[lo:hi]] if sel is None else self.rid[dec[lo:hi]][sel]
                 for r in rids.tolist():
                     per = rec.request_arms.setdefault(r, {})
