@@ -25,6 +25,7 @@ Replay: ``RecordedAcceptance`` has two views of the same recording.
 """
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -72,9 +73,12 @@ class AcceptanceFile(BaseModel):
 
     @classmethod
     def load(cls, path: str | Path) -> "AcceptanceFile":
+        """The recording at ``path``; gzipped where the name ends in ``.gz`` (how the results
+        folders keep the large ones)."""
+        raw = Path(path).read_bytes()
         try:
-            return cls.model_validate(json.loads(Path(path).read_text()))
-        except (ValidationError, json.JSONDecodeError) as e:
+            return cls.model_validate(json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw))
+        except (ValidationError, json.JSONDecodeError, gzip.BadGzipFile) as e:
             raise ValueError(f"acceptance recording {path}: {e}") from None
 
     def save(self, path: str | Path) -> None:

@@ -1045,9 +1045,10 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
                probe_tolerance: float = 0.1, path_delay: bool = True,
                speed_from: str = "probes", median: str = "hd") -> tuple[list[Cell], list, dict]:
     """The simulated side again, against the live runs a fidelity run left in ``src``
-    (``live_runs.json`` or ``.json.gz``, ``acceptance.json``, ``prompt_set.csv``, its profile): for a changed
-    simulator, without the live runs (and the quiet machine) they took. ``profile``: another
-    step-cost profile (e.g. refitted from the run's calibration steps) than the run's.
+    (``live_runs.json``, ``fidelity.json`` and ``acceptance.json``, each or its ``.gz``;
+    ``prompt_set.csv``; its profile): for a changed simulator, without the live runs (and the
+    quiet machine) they took. ``profile``: another step-cost profile (e.g. refitted from the
+    run's calibration steps) than the run's.
     ``probe``: simulate each run at the speed its probes on file say, against the profile's
     probe (none on file, or a profile without one: factor 1, and a note says so).
     ``cache_replay``: each run's prompt set from the prefix-cache hits its live run recorded."""
@@ -1058,16 +1059,20 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
     from adaptspec.serve.loadtest import Arrivals
     from adaptspec.sim.acceptance_replay import AcceptanceFile
     from adaptspec.sim.closed_loop import read_prompt_set
+    from adaptspec.sim.report import read_json_file
     from adaptspec.sim.scenario import ClassSpec, PromptSetSpec
 
     src = Path(src)
-    live_file = next((p for p in (src / "live_runs.json", src / "live_runs.json.gz") if p.is_file()),
-                     src / "live_runs.json")
-    need = [src / "fidelity.json", live_file, src / "acceptance.json", src / "prompt_set.csv"]
+
+    def found(name: str) -> Path:  # the file, or where the results folders keep it gzipped
+        return next((p for p in (src / name, src / f"{name}.gz") if p.is_file()), src / name)
+
+    live_file, report_file, acceptance_file = found("live_runs.json"), found("fidelity.json"), found("acceptance.json")
+    need = [report_file, live_file, acceptance_file, src / "prompt_set.csv"]
     missing = [str(p) for p in need if not p.is_file()]
     if missing:
         raise ValueError(f"--resimulate: {src} lacks {missing} (a folder an `adaptspec fidelity` run wrote)")
-    meta = json.loads((src / "fidelity.json").read_text())["meta"]
+    meta = read_json_file(report_file)["meta"]
     cfg = load_config(config if config is not None else (None if meta["config"] == "(embedded default)"
                                                          else meta["config"]))
     levels = []
@@ -1088,7 +1093,7 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
         profile = src / "profile.json"
     model = ProfileCostModel.load(profile)
     cost = ProfileCostModel(model.profile.model_copy(update=meta["sim_limits"]))
-    recording = AcceptanceFile.load(src / "acceptance.json")
+    recording = AcceptanceFile.load(acceptance_file)
     prompt_set = read_prompt_set(PromptSetSpec(path="prompt_set.csv"), src,
                                  [ClassSpec(name=c, acceptance={"ngram": {"bernoulli": 0.0}}) for c in opts.classes])
     with open(src / "prompt_set.csv", newline="") as f:

@@ -453,6 +453,16 @@ def test_recorded_acceptance_in_a_scenario_and_its_errors(tmp_path):
     with pytest.raises(ValueError, match="kept <= proposed"):
         RecordedAcceptance({2: np.array([[0, 1, 0], [0, 0, 0], [0, 0, 0]])})
     assert AcceptanceFile.load(tmp_path / "acc.json").classes["chat"]["ngram"].joint[2][2] == [1, 1, 2]
+    # gzipped by its name (a scenario may point at a results folder's acceptance.json.gz)
+    import gzip
+
+    (tmp_path / "acc.json.gz").write_bytes(gzip.compress((tmp_path / "acc.json").read_bytes()))
+    packed = json.loads(json.dumps(base))
+    packed["classes"][0]["acceptance"]["ngram"]["recorded"]["file"] = "acc.json.gz"
+    assert class_truths(parse_scenario(packed), tmp_path)[0].acceptance["ngram"].steps == 4
+    (tmp_path / "bad.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(ValueError, match="bad.json.gz"):
+        AcceptanceFile.load(tmp_path / "bad.json.gz")
 
 
 # ---- the report's error math ------------------------------------------------------------------
@@ -820,14 +830,15 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
         assert c["live"] == before[key(c)]
     bad = CliRunner().invoke(app, ["fidelity", "--resimulate", str(tmp_path), "--out", str(tmp_path / "x")])
     assert bad.exit_code != 0 and "--resimulate" in bad.output
-    # a results folder keeps its live runs gzipped: the same live side from the .gz
+    # a results folder keeps its large files gzipped: the same live side from the .gz's
     import gzip
 
     packed = tmp_path / "packed"
     shutil.copytree(out, packed)
-    live_file = packed / "live_runs.json"
-    (packed / "live_runs.json.gz").write_bytes(gzip.compress(live_file.read_bytes()))
-    live_file.unlink()
+    for name in ("live_runs.json", "fidelity.json", "acceptance.json"):
+        plain = packed / name
+        (packed / f"{name}.gz").write_bytes(gzip.compress(plain.read_bytes()))
+        plain.unlink()
     res = CliRunner().invoke(app, ["fidelity", "--config", str(cfg), "--resimulate", str(packed), "--out",
                                    str(tmp_path / "unpacked"), "--no-host-gap", "--no-cache-replay",
                                    "--probe-tolerance", "inf"])
