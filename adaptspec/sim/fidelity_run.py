@@ -850,11 +850,13 @@ def step_factors(live: dict, cost) -> tuple[dict, dict, dict, dict, list[str]]:
 
 
 def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recording, prompt_set, cost,
-                        gap: dict, meta: dict, console, ps_rows=None) -> tuple[list[Cell], list, dict]:
+                        gap: dict, meta: dict, console, ps_rows=None, inputs: Path | None = None
+                        ) -> tuple[list[Cell], list, dict]:
     """The simulated side of every (level, policy) and the comparison: ``fidelity.json``,
     ``scenario.yaml``; ``live``: {path: {(policy, level label): [Run]}}; ``gap``: {path:
     ``host_gaps``' (a, b) per policy} (a path without its own: the first path's); ``ps_rows``:
-    the prompt set's CSV rows, for ``cache_replay`` (with ``opts.cache_replay``).
+    the prompt set's CSV rows, for ``cache_replay`` (with ``opts.cache_replay``); ``inputs``:
+    the folder holding the recording and the prompt set when it is not ``out`` (a resimulation).
 
     Every path whose runs logged their engine steps is simulated on its own: its runs' speed
     (the gRPC path's replica is another process, whose speed and host loop are its own), its
@@ -934,8 +936,13 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     profile, folder = Path(meta["profile"]).resolve(), out.resolve()
     if profile.is_relative_to(folder):
         profile = profile.relative_to(folder)
-    (out / "scenario.yaml").write_text(yaml.safe_dump(scenario_yaml(opts, cfg, str(profile),
-                                                                    recording, "acceptance.json", "prompt_set.csv"),
+    # a resimulation's scenario names the source folder's recording and prompt set, as they are kept there
+    src = Path(os.path.relpath(Path(inputs).resolve(), folder)) if inputs is not None else Path()
+    recording_file = next((f for f in ("acceptance.json", "acceptance.json.gz") if (out / src / f).is_file()),
+                          "acceptance.json")
+    (out / "scenario.yaml").write_text(yaml.safe_dump(scenario_yaml(opts, cfg, str(profile), recording,
+                                                                    (src / recording_file).as_posix(),
+                                                                    (src / "prompt_set.csv").as_posix()),
                                                       sort_keys=False))
     return cells, goal_list, meta
 
@@ -1109,7 +1116,8 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
         gap[path] = {p: (float(g.get("a_s", 0.0)), float(g.get("per_request_s", 0.0))) for p, g in gap_meta.items()}
     meta = {**meta, "resimulated": {"from": str(src), "date": _dt.datetime.now().astimezone().isoformat(
         timespec="seconds"), "code": code_version()}}
-    return simulate_and_report(cfg, opts, Path(out), live, recording, prompt_set, cost, gap, meta, console, ps_rows)
+    return simulate_and_report(cfg, opts, Path(out), live, recording, prompt_set, cost, gap, meta, console, ps_rows,
+                               inputs=src)
 
 
 def _level_json(level) -> dict:

@@ -845,6 +845,12 @@ def test_fidelity_end_to_end_on_tiny_models(tiny_dir, tiny_draft_dir, tmp_path):
     assert res.exit_code == 0, res.output
     for c in json.loads((tmp_path / "unpacked" / "fidelity.json").read_text())["cells"]:
         assert c["live"] == before[key(c)]
+    # the resimulation's scenario names the source folder's recording (gzipped) and prompt set, and runs
+    classes = yaml.safe_load((tmp_path / "unpacked" / "scenario.yaml").read_text())["classes"]
+    files = {a["recorded"]["file"] for c in classes for a in c["acceptance"].values() if "recorded" in a}
+    assert files == {"../packed/acceptance.json.gz"}
+    ran = CliRunner().invoke(app, ["simulate", str(tmp_path / "unpacked" / "scenario.yaml")])
+    assert ran.exit_code == 0, ran.output
     bad = CliRunner().invoke(app, ["fidelity", "--resimulate", str(out), "--out", str(tmp_path / "x"),
                                    "--probe-tolerance", "-0.1"])
     assert bad.exit_code != 0 and "--probe-tolerance" in bad.output
