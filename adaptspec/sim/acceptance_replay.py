@@ -75,9 +75,10 @@ class AcceptanceFile(BaseModel):
     def load(cls, path: str | Path) -> "AcceptanceFile":
         """The recording at ``path``; gzipped where the name ends in ``.gz`` (how the results
         folders keep the large ones)."""
-        raw = Path(path).read_bytes()
+        from adaptspec.sim.report import read_json_file  # here: report imports the simulator, which imports this
+
         try:
-            return cls.model_validate(json.loads(gzip.decompress(raw) if str(path).endswith(".gz") else raw))
+            return cls.model_validate(read_json_file(path))
         except (ValidationError, json.JSONDecodeError, gzip.BadGzipFile) as e:
             raise ValueError(f"acceptance recording {path}: {e}") from None
 

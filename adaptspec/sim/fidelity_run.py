@@ -850,13 +850,13 @@ def step_factors(live: dict, cost) -> tuple[dict, dict, dict, dict, list[str]]:
 
 
 def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recording, prompt_set, cost,
-                        gap: dict, meta: dict, console, ps_rows=None, inputs: Path | None = None
+                        gap: dict, meta: dict, console, ps_rows=None, inputs: tuple[Path, Path] | None = None
                         ) -> tuple[list[Cell], list, dict]:
     """The simulated side of every (level, policy) and the comparison: ``fidelity.json``,
     ``scenario.yaml``; ``live``: {path: {(policy, level label): [Run]}}; ``gap``: {path:
     ``host_gaps``' (a, b) per policy} (a path without its own: the first path's); ``ps_rows``:
     the prompt set's CSV rows, for ``cache_replay`` (with ``opts.cache_replay``); ``inputs``:
-    the folder holding the recording and the prompt set when it is not ``out`` (a resimulation).
+    the recording's and the prompt set's files when they are not in ``out`` (a resimulation).
 
     Every path whose runs logged their engine steps is simulated on its own: its runs' speed
     (the gRPC path's replica is another process, whose speed and host loop are its own), its
@@ -937,12 +937,10 @@ def simulate_and_report(cfg, opts: FidelityOptions, out: Path, live: dict, recor
     if profile.is_relative_to(folder):
         profile = profile.relative_to(folder)
     # a resimulation's scenario names the source folder's recording and prompt set, as they are kept there
-    src = Path(os.path.relpath(Path(inputs).resolve(), folder)) if inputs is not None else Path()
-    recording_file = next((f for f in ("acceptance.json", "acceptance.json.gz") if (out / src / f).is_file()),
-                          "acceptance.json")
+    rec_file, ps_file = (Path(p).resolve() for p in (inputs or (out / "acceptance.json", out / "prompt_set.csv")))
     (out / "scenario.yaml").write_text(yaml.safe_dump(scenario_yaml(opts, cfg, str(profile), recording,
-                                                                    (src / recording_file).as_posix(),
-                                                                    (src / "prompt_set.csv").as_posix()),
+                                                                    Path(os.path.relpath(rec_file, folder)).as_posix(),
+                                                                    Path(os.path.relpath(ps_file, folder)).as_posix()),
                                                       sort_keys=False))
     return cells, goal_list, meta
 
@@ -1117,7 +1115,7 @@ def resimulate(src: Path, out: Path, console, *, config: str | None = None, host
     meta = {**meta, "resimulated": {"from": str(src), "date": _dt.datetime.now().astimezone().isoformat(
         timespec="seconds"), "code": code_version()}}
     return simulate_and_report(cfg, opts, Path(out), live, recording, prompt_set, cost, gap, meta, console, ps_rows,
-                               inputs=src)
+                               inputs=(acceptance_file, src / "prompt_set.csv"))
 
 
 def _level_json(level) -> dict:
