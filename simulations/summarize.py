@@ -119,9 +119,11 @@ def oracle_vs_statics() -> tuple[list[str], bool, int]:
             worst = (float("inf"), "")
             for rate, runs in by_level(d).items():
                 o = runs.get("oracle")
-                # the oracle runs with the scenario's admission setting: a static run with another
-                # (overload-2x's "-no-admission" reference) is a different replica, not a candidate
-                statics = {p: r for p, r in runs.items() if is_static(p) and "no-admission" not in p}
+                # the oracle runs with the scenario's admission and pacing settings: a static run
+                # with another (overload-2x's "-no-admission" reference, interactive-batch-high's
+                # "-no-pacing" ones) is a different replica, not a candidate
+                statics = {p: r for p, r in runs.items() if is_static(p) and "no-admission" not in p
+                           and "no-pacing" not in p}
                 if o is None or not statics:
                     continue
                 cells += 1

@@ -127,6 +127,9 @@ class Engine:
         self.totals = SpecStats()
         self.last_step: StepStats | None = None
         self.step_listeners: list[Callable[[StepStats], None]] = []
+        # TPOT-paced prefill (``adaptspec.control.pacing.PrefillPacer``): caps each step's prompt
+        # chunks for the request classes with a TPOT target; None: chunks fill the step's budget
+        self.pacer = None
         # CUDA: the forward timed by events, read once complete (ForwardTimer); steps whose
         # events are still running wait here, published in order
         self._timer = ForwardTimer() if self.device.type == "cuda" else None
@@ -324,7 +327,10 @@ class Engine:
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        plan = self.scheduler.schedule(self._k_for)
+        if self.pacer is None:
+            plan = self.scheduler.schedule(self._k_for)
+        else:
+            plan = self.scheduler.schedule(self._k_for, self._prompt_cap, self._prompt_deadline)
         drafts = self._propose(plan.rows)
         t1 = time.perf_counter()
         logits, hidden = self._forward(plan.rows, drafts)
@@ -335,6 +341,20 @@ class Engine:
         t3 = time.perf_counter()
         self._record(plan, drafts, req_stats, t0, t1, t2, t3)
         return list(outputs.values())
+
+    def _prompt_deadline(self, s: Sequence) -> float:
+        return self.pacer.deadline(s.request_class, s.arrival_s)
+
+    def _prompt_cap(self, rows: list[ScheduledRow], budget: int) -> int:
+        """TPOT-paced prefill: the prompt tokens this step may carry (``PrefillPacer``)."""
+        now = time.perf_counter()
+        sched = self.scheduler
+        order = sorted([*(s for s in sched.running if s.prefilling), *sched.waiting], key=self._prompt_deadline)
+        waiting = [(s.request_class, len(s.token_ids) - s.num_computed, now - s.arrival_s) for s in order]
+        # every slot taken while requests wait: holding prompt work back only keeps them waiting
+        blocked = bool(sched.waiting) and len(sched.running) >= sched.max_num_seqs
+        return self.pacer.prompt_budget([r.seq.request_class for r in rows], sum(r.num_new + r.k for r in rows),
+                                        waiting, budget, blocked=blocked)
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  spec: SpecConfig | list[SpecConfig] | None = None, *, raw: bool = False,
@@ -594,6 +614,12 @@ class Engine:
                        0.0, t1 - t0, t2 - t1, t3 - t2, t3 - t0, req_stats, t3,
                        len(self.scheduler.waiting) + len(self.scheduler.running))
         self.step_count += 1
+        if self.pacer is not None:
+            per_class: dict[str, tuple[int, int]] = {}
+            for r in req_stats:
+                tok, n = per_class.get(r.request_class, (0, 0))
+                per_class[r.request_class] = (tok + r.emitted, n + 1)
+            self.pacer.observe(t3 - t0, verify_tokens, prefill_tokens, per_class)
         if self._timer is None:  # the CPU: host clocks, published now
             self._publish(st, None)
             return

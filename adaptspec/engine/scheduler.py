@@ -64,7 +64,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, k_of: Callable[[Sequence], int]) -> SchedulerOutput:
+    def schedule(self, k_of: Callable[[Sequence], int],
+                 prompt_cap: Callable[[list[ScheduledRow], int], int] | None = None,
+                 prompt_key: Callable[[Sequence], float] | None = None) -> SchedulerOutput:
+        """The step's rows. ``prompt_cap(decode rows, budget left)``: at most how many of the
+        budget's remaining tokens prompt chunks may take (TPOT-paced prefill; None: all).
+        ``prompt_key``: serve prompt work (partly prefilled requests, then admissions) in this
+        order, smallest first, instead of admission order (with pacing: earliest deadline)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         decoding = [s for s in self.running if not s.prefilling]
@@ -87,7 +93,12 @@ class Scheduler:
             spare -= k
             out.rows.append(ScheduledRow(s, 1, k, True))
         budget -= sum(r.num_new + r.k for r in out.rows)
-        for s in [s for s in self.running if s.prefilling]:
+        if prompt_cap is not None and budget > 0 and out.rows:
+            budget = max(0, min(budget, prompt_cap(out.rows, budget)))
+        prefilling = [s for s in self.running if s.prefilling]
+        if prompt_key is not None:
+            prefilling.sort(key=prompt_key)
+        for s in prefilling:
             if budget <= 0:
                 break
             n = self._chunk(s, budget)
@@ -96,13 +107,13 @@ class Scheduler:
                 out.rows.append(ScheduledRow(s, n, 0))
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            s = self.waiting[0]
+            s = self.waiting[0] if prompt_key is None else min(self.waiting, key=prompt_key)
             self.kv.admit(s)
             n = self._chunk(s, budget, reserve=len(self.running))
             if n <= 0:  # no room in the pool now: it waits (its prefix-cache references go back)
                 self.kv.free(s)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(s)
             s.status = Status.RUNNING
             s.num_cached_tokens = s.num_computed
             if self.on_admit is not None:

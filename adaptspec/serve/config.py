@@ -223,6 +223,21 @@ class AdmissionOptions(_Strict):
                                                 "ttft_s (the prediction is a mean: below 1 leaves room for the spread)")
 
 
+class PacingOptions(_Strict):
+    """TPOT-paced prefill (``adaptspec.control.pacing``): while requests of a class with a TPOT
+    target (``classes[].tpot_s``) decode, each step's prompt chunks get only what fits in
+    ``margin`` x that target x the tokens such a request emits per step, measured on the
+    replica's own steps; never so little that a waiting prompt would pass ``slack`` x its
+    class's ``ttft_s``. Outputs are unchanged (only when prompt work runs moves)."""
+
+    enabled: bool = Field(False, description="cap each step's prompt chunks for the classes with a TPOT target "
+                                             "(a burst of long prompts waits within its TTFT target instead of "
+                                             "stretching every decoding request's steps)")
+    margin: float = Field(0.9, gt=0, description="a step's time budget: margin x the tightest decoding class's "
+                                                 "tpot_s x the tokens its requests emit per step")
+    slack: float = Field(0.8, gt=0, description="prompt work is never held past slack x its class's ttft_s")
+
+
 class FaultInjection(_Strict):
     """For tests and chaos drills: make a drafter raise."""
 
@@ -286,6 +301,8 @@ class ServiceConfig(_Strict):
     faults: FaultInjection | None = Field(None, description="inject drafter faults (tests, chaos drills)")
     admission: AdmissionOptions = Field(default_factory=AdmissionOptions,
                                         description="SLO-aware admission by each class's TTFT target")
+    pacing: PacingOptions = Field(default_factory=PacingOptions,
+                                  description="TPOT-paced prefill by each class's TPOT target")
     auth: AuthConfig = Field(default_factory=AuthConfig, description="who may call the admin methods")
     http: HttpApiOptions = Field(default_factory=HttpApiOptions, description="the OpenAI-compatible HTTP API")
     allow_client_speculation: bool = Field(

@@ -54,7 +54,7 @@ def build_engine(cfg: ServiceConfig, *, target: str | None = None, torch_threads
 
     torch.set_num_threads(torch_threads or cfg.engine.torch_threads or max(1, int(cfg.target.num_cpus or 1)))
     draft = cfg.models.draft if cfg.placement == "colocated" and not target else None
-    return Engine.from_pretrained(target or cfg.models.target, draft=draft, dtype=cfg.models.dtype,
+    engine = Engine.from_pretrained(target or cfg.models.target, draft=draft, dtype=cfg.models.dtype,
                                   device=cfg.models.device, max_num_seqs=cfg.engine.max_num_seqs,
                                   max_model_len=cfg.engine.max_model_len,
                                   max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
@@ -63,6 +63,20 @@ def build_engine(cfg: ServiceConfig, *, target: str | None = None, torch_threads
                                   kv_cache_memory=cfg.engine.kv_cache_memory,
                                   cuda_graphs=cfg.engine.cuda_graphs,
                                   cuda_graph_max_tokens=cfg.engine.cuda_graph_max_tokens)
+    engine.pacer = prefill_pacer(cfg)
+    return engine
+
+
+def prefill_pacer(cfg: ServiceConfig):
+    """The replica's TPOT-paced prefill from ``ServiceConfig.pacing`` (None: off, or no class
+    has a TPOT target)."""
+    from adaptspec.control.pacing import PrefillPacer
+
+    tpot = {c.name: c.tpot_s for c in cfg.classes if c.tpot_s is not None}
+    if not cfg.pacing.enabled or not tpot:
+        return None
+    ttft = {c.name: c.ttft_s for c in cfg.classes if c.ttft_s is not None}
+    return PrefillPacer(tpot, ttft, margin=cfg.pacing.margin, slack=cfg.pacing.slack)
 
 
 def warn_slow_bf16(cfg: ServiceConfig) -> None:

@@ -181,6 +181,8 @@ def _replicas(setup: RunSetup, policy: Policy, req: Requests, rec: Recorder) -> 
         kw["drafters"] = setup.drafters
     if getattr(setup, "admission", None) is not None:
         kw["admission"] = copy.deepcopy(setup.admission)
+    if getattr(setup, "pacer", None) is not None:
+        kw["pacer"] = copy.deepcopy(setup.pacer)
     if any(getattr(setup, "host_gap", ())):
         kw["host_gap"] = setup.host_gap
     return [Replica(setup.cost, policy, setup.classes, req, rec, np.random.default_rng([setup.seed, i]), setup.max_k,
@@ -273,7 +275,7 @@ def run_closed_loop(sc: Scenario, base: Path, specs: list, *, seed: int,
     """``run_scenario`` for a closed-loop workload: every client count of the sweep (or the
     workload's), every policy; each policy sees the same request sequence and think times."""
     from adaptspec.sim.metrics import SLO, compute_metrics
-    from adaptspec.sim.runner import ScenarioResult, _shift_hook, build_policy, class_truths, cost_model
+    from adaptspec.sim.runner import ScenarioResult, _shift_hook, build_policy, class_truths, cost_model, pacer_for
     from adaptspec.sim.scenario import policy_label
 
     truths = class_truths(sc, base)
@@ -290,7 +292,7 @@ def run_closed_loop(sc: Scenario, base: Path, specs: list, *, seed: int,
             run = build_policy(spec, sc, truths, cost, clock, seed)
             result.policy_notes[label] = run.policy.describe_targets()
             setup = RunSetup(cost, truths, empty, sc.hardware.replicas, sc.hardware.router, sc.max_k,
-                             sc.duration_s, sc.drain_s, sc.timeline_bin_s, seed)
+                             sc.duration_s, sc.drain_s, sc.timeline_bin_s, seed, pacer=pacer_for(spec, sc))
             source = request_source(sc.workload, sc.classes, base, np.random.default_rng([seed, 1]))
 
             def on_progress(f: float, label=label, clock=clock, clients=clients) -> None:

@@ -21,6 +21,7 @@ import numpy as np
 
 from adaptspec.control import Arm, GroupOutcome, Load, Policy, StepOutcome
 from adaptspec.control.admission import SloAdmission
+from adaptspec.control.pacing import PrefillPacer
 from adaptspec.control.types import CONF_BINS, ConfidenceCounts, conf_bin
 from adaptspec.sim.acceptance import AcceptanceModel, ConfidenceAcceptance
 from adaptspec.sim.acceptance_replay import RecordedAcceptance
@@ -101,12 +102,14 @@ class Recorder:
 class Replica:
     def __init__(self, cost: ProfileCostModel, policy: Policy, classes: list[ClassTruth], requests: Requests,
                  recorder: Recorder, rng: np.random.Generator, max_k: int, *, drafters: tuple[str, ...] = ("ngram", "draft"),
-                 admission: SloAdmission | None = None, host_gap: tuple[float, float] = (0.0, 0.0)) -> None:
+                 admission: SloAdmission | None = None, host_gap: tuple[float, float] = (0.0, 0.0),
+                 pacer: PrefillPacer | None = None) -> None:
         prof = cost.profile
         self.cost, self.policy, self.classes, self.req, self.rec, self.rng = cost, policy, classes, requests, recorder, rng
         self.max_k = max_k
         self.drafters = tuple(drafters)
         self.admission = admission
+        self.pacer = pacer  # TPOT-paced prefill (None: prompt chunks fill the step's whole budget)
         # seconds the host spends between two engine steps while work is left (the serving
         # loop's bookkeeping, the controller's reports, tokenizing new requests): a + b per
         # request in the step; not part of the step, so not reported to the policy
@@ -162,6 +165,7 @@ class Replica:
         other.queue = deque(self.queue)
         other.policy, other.rec, other.rng = policy, recorder, rng
         other.admission = copy.deepcopy(self.admission)
+        other.pacer = copy.deepcopy(self.pacer)
         return other
 
     def _admit(self) -> None:
@@ -312,9 +316,20 @@ class Replica:
             decode_tokens = int(give.sum())
             groups = [(c, arm, lo, hi, conf, full and not trimmed[lo:hi].any()) for c, arm, lo, hi, conf, full in groups]
         budget = max(self.max_tokens - decode_tokens, 0)
+        prompt_order = self.prefilling
+        if self.pacer is not None and self.prefilling:
+            arrival = self.req.arrival_s
+            prompt_order = sorted(self.prefilling, key=lambda s: self.pacer.deadline(self._names[self.cls[s]],
+                                                                                     float(arrival[self.rid[s]])))
+            if budget > 0 and n_dec:
+                rows = np.arange(n_dec) if scheduled is None else np.flatnonzero(scheduled)
+                waiting = [(self._names[self.cls[s]], int(self.prefill_left[s]), now - float(arrival[self.rid[s]]))
+                           for s in prompt_order]
+                budget = self.pacer.prompt_budget([self._names[c] for c in self.cls[dec[rows]]], decode_tokens,
+                                                  waiting, budget, blocked=bool(self.queue))
         prefill_tokens = 0
         chunks = []
-        for s in self.prefilling:
+        for s in prompt_order:
             if budget <= 0:
                 break
             take = min(int(self.prefill_left[s]), budget)
@@ -399,6 +414,9 @@ class Replica:
         self.last_verify_tokens, self.last_context = verify_tokens, context
         if self.admission is not None:
             self.admission.observe(t.wall_s, prefill_tokens, bool(self.queue) or bool(self.prefilling))
+        if self.pacer is not None:
+            self.pacer.observe(t.wall_s, decode_tokens, prefill_tokens,
+                               {g.request_class: (g.emitted, g.num_requests) for g in outcome_groups})
         self.policy.observe(StepOutcome(n_active, prefill_tokens, verify_tokens, context, t.draft_s, t.verify_s,
                                         t.other_s, t.wall_s, outcome_groups, len(self.queue), 0.0, len(chunks)))
         a, b = self.host_gap

@@ -11,7 +11,8 @@ from adaptspec.sim.metrics import RunMetrics
 from adaptspec.sim.runner import ScenarioResult
 
 ADAPTIVE = ("thompson", "ucb", "ucb-window", "oracle", "oracle-planner", "ema", "heuristic", "vllm-schedule",
-            "vllm-adaptive", "vllm-adaptive-k4", "thompson-no-stopping", "thompson-no-admission")
+            "vllm-adaptive", "vllm-adaptive-k4", "thompson-no-stopping", "thompson-no-admission",
+            "thompson-no-pacing")
 
 
 def _ms(x: float) -> str:

@@ -36,6 +36,7 @@ from adaptspec.sim.acceptance import (
 )
 from adaptspec.control.costs import ProfileCostModel
 from adaptspec.control.gpu_profiles import builtin_profile
+from adaptspec.control.pacing import PrefillPacer
 from adaptspec.sim.metrics import SLO, RunMetrics, compute_metrics
 from adaptspec.sim.replica import ClassTruth
 from adaptspec.sim.lookahead import LookaheadOracle
@@ -47,6 +48,7 @@ from adaptspec.sim.scenario import (
     HeuristicSpec,
     OraclePlannerSpec,
     OracleSpec,
+    PacingSpec,
     PerClassStaticSpec,
     PolicySpec,
     Scenario,
@@ -166,6 +168,19 @@ def admission_for(spec: PolicySpec, sc: Scenario) -> SloAdmission | None:
     return SloAdmission(ttft, sc.admission.slack) if sc.admission is not None else SloAdmission(ttft)
 
 
+def pacer_for(spec: PolicySpec, sc: Scenario) -> PrefillPacer | None:
+    """The policy's TPOT-paced prefill (TPOT and TTFT targets from the classes' SLOs); None
+    when off or when no class has a TPOT target."""
+    on = spec.pacing if spec.pacing is not None else (sc.pacing is not None and sc.pacing.default)
+    slos = {c.name: c.slo or sc.slo for c in sc.classes}
+    tpot = {c: s.tpot_s for c, s in slos.items() if s is not None and s.tpot_s is not None}
+    if not on or not tpot:
+        return None
+    ttft = {c: s.ttft_s for c, s in slos.items() if s is not None and s.ttft_s is not None}
+    ps = sc.pacing or PacingSpec()
+    return PrefillPacer(tpot, ttft, margin=ps.margin, slack=ps.slack)
+
+
 def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost: ProfileCostModel,
                  clock: list[float], seed: int) -> PolicyRun:
     """``clock`` holds the current simulated time (the oracle reads shifted truths by it)."""
@@ -277,7 +292,7 @@ def run_scenario(sc: Scenario, base: Path | None, *, only: list[str] | None = No
             result.policy_notes[label] = run.policy.describe_targets()
             setup = RunSetup(cost, truths, requests, sc.hardware.replicas, sc.hardware.router, sc.max_k,
                              sc.duration_s, sc.drain_s, sc.timeline_bin_s, seed, tuple(sc.drafters),
-                             admission_for(spec, sc))
+                             admission_for(spec, sc), pacer=pacer_for(spec, sc))
 
             def on_progress(f: float, label=label, clock=clock) -> None:
                 clock[0] = f * (sc.duration_s + sc.drain_s)

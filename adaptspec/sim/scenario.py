@@ -254,6 +254,8 @@ class _PolicyBase(_Strict):
     label: str | None = Field(None, description="name in tables and plots")
     admission: bool | None = Field(None, description="SLO-aware admission for this policy's runs (null: the "
                                                      "scenario's `admission`)")
+    pacing: bool | None = Field(None, description="TPOT-paced prefill for this policy's runs (null: the scenario's "
+                                                  "`pacing`)")
 
 
 class ThompsonSpec(_PolicyBase):
@@ -379,6 +381,13 @@ class AdmissionSpec(_Strict):
     default: bool = Field(True, description="for policies that do not say (`admission:` on a policy overrides it)")
 
 
+class PacingSpec(_Strict):
+    margin: float = Field(0.9, gt=0, description="a step's time budget: margin x the tightest TPOT target x tokens "
+                                                "per step of the TPOT classes decoding in it")
+    slack: float = Field(0.8, gt=0, description="prompt work is never held past slack x its class's TTFT target")
+    default: bool = Field(True, description="for policies that do not say (`pacing:` on a policy overrides it)")
+
+
 class Scenario(_Strict):
     name: str = Field(description="scenario name")
     description: str = Field("", description="what it shows")
@@ -395,6 +404,9 @@ class Scenario(_Strict):
                                                                      "of 0.1 in (0, 1); empty: none")
     admission: AdmissionSpec | None = Field(None, description="SLO-aware admission (refuse a request that cannot "
                                                               "meet its class's TTFT target); null: admit all")
+    pacing: PacingSpec | None = Field(None, description="TPOT-paced prefill (cap each step's prompt chunks so the "
+                                                        "classes with a TPOT target keep it; adaptspec.control.pacing); "
+                                                        "null: prompt chunks fill every step's token budget")
     classes: list[ClassSpec] = Field(min_length=1, description="request classes")
     workload: WorkloadSpec = Field(description="arrivals")
     sweep: SweepSpec | None = Field(None, description="run the workload at several constant rates")

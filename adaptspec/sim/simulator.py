@@ -10,6 +10,7 @@ import numpy as np
 
 from adaptspec.control import Policy
 from adaptspec.control.admission import SloAdmission
+from adaptspec.control.pacing import PrefillPacer
 from adaptspec.control.costs import ProfileCostModel
 from adaptspec.sim.replica import ClassTruth, Recorder, Replica
 from adaptspec.sim.workload import Requests
@@ -29,6 +30,7 @@ class RunSetup:
     seed: int = 0
     drafters: tuple[str, ...] = ("ngram", "draft")
     admission: SloAdmission | None = None  # one per replica (copied)
+    pacer: PrefillPacer | None = None  # TPOT-paced prefill, one per replica (copied); None: off
     host_gap: tuple[float, float] = (0.0, 0.0)  # host seconds between steps: a + b per request (``Replica``)
     record_shapes: bool = False  # keep every step's shape (``Recorder.step_shapes``)
 
@@ -57,7 +59,7 @@ class Simulation:
         self.rng = np.random.default_rng(setup.seed)
         self.replicas = [Replica(setup.cost, policy, setup.classes, req, recorder, np.random.default_rng([setup.seed, i]),
                                  setup.max_k, drafters=setup.drafters, admission=copy.deepcopy(setup.admission),
-                                 host_gap=setup.host_gap)
+                                 host_gap=setup.host_gap, pacer=copy.deepcopy(setup.pacer))
                          for i in range(setup.replicas)]
         self.shifts = sorted({c.shift_at_s for c in setup.classes if c.shift_at_s is not None})
         self.i = 0  # next arrival
