@@ -251,7 +251,7 @@ class StepOutcome:
             reqs, batch_size=st.batch_size, num_prefill=prompt, verify_tokens=st.verify_tokens + prompt,
             context_tokens=st.context_tokens, draft_s=st.draft_s,
             verify_s=st.verify_s + float(getattr(st, "prefill_s", 0.0) or 0.0), other_s=st.other_s,
-            wall_s=st.wall_s, queued=getattr(st, "num_waiting", 0),
+            wall_s=st.wall_s, queued=getattr(st, "backlog", getattr(st, "num_waiting", 0)),
             prefill_chunks=int(getattr(st, "num_prefill", 0) or 0) if prompt else 0)
 
 

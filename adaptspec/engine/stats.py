@@ -54,6 +54,14 @@ class StepStats:
     # process of the host, so an engine process's steps line up with a client's request times
     end_s: float = 0.0
     unfinished: int = 0  # requests running or waiting once the step is done (0: the engine went idle)
+    # the step's prompt work was cut by TPOT-paced prefill (``Engine.pacer``): whoever waits was
+    # held back by choice, not for lack of capacity (the controller and admission read no queue)
+    prompts_held: bool = False
+
+    @property
+    def backlog(self) -> int:
+        """Requests waiting for lack of capacity: ``num_waiting``, 0 when the pacer held them."""
+        return 0 if self.prompts_held else self.num_waiting
 
     @property
     def emitted(self) -> int:

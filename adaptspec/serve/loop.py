@@ -345,7 +345,7 @@ class _Callers:
         steps = _drain(self._step_stats)
         if self.admission is not None:
             for st in steps:
-                self.admission.observe(st.wall_s, st.num_prefill, st.num_waiting > 0)
+                self.admission.observe(st.wall_s, st.num_prefill, st.backlog > 0)
             if steps:
                 self._running = steps[-1].batch_size
         return steps
@@ -417,7 +417,7 @@ class EngineLoop(_Callers):
 def engine_state(eng, drafter_faults: int = 0) -> ReplicaState:
     """A replica's state as its engine sees it (``replica_id`` and ``in_flight`` left to the caller)."""
     last = eng.last_step
-    return ReplicaState("", batch_size=last.batch_size if last else 0, num_waiting=last.num_waiting if last else 0,
+    return ReplicaState("", batch_size=last.batch_size if last else 0, num_waiting=last.backlog if last else 0,
                         steps=eng.step_count, drafter_faults=drafter_faults,
                         verify_tokens=last.verify_tokens if last else 0,
                         context_tokens=last.context_tokens if last else 0, free_slots=eng.free_seqs)

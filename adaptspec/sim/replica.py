@@ -317,6 +317,7 @@ class Replica:
             groups = [(c, arm, lo, hi, conf, full and not trimmed[lo:hi].any()) for c, arm, lo, hi, conf, full in groups]
         budget = max(self.max_tokens - decode_tokens, 0)
         prompt_order = self.prefilling
+        held = False  # the pacer held prompt work back this step (by choice, not for lack of room)
         if self.pacer is not None and self.prefilling:
             arrival = self.req.arrival_s
             prompt_order = sorted(self.prefilling, key=lambda s: self.pacer.deadline(self._names[self.cls[s]],
@@ -325,8 +326,9 @@ class Replica:
                 rows = np.arange(n_dec) if scheduled is None else np.flatnonzero(scheduled)
                 waiting = [(self._names[self.cls[s]], int(self.prefill_left[s]), now - float(arrival[self.rid[s]]))
                            for s in prompt_order]
-                budget = self.pacer.prompt_budget([self._names[c] for c in self.cls[dec[rows]]], decode_tokens,
-                                                  waiting, budget, blocked=bool(self.queue))
+                paced = self.pacer.prompt_budget([self._names[c] for c in self.cls[dec[rows]]], decode_tokens,
+                                                 waiting, budget, blocked=bool(self.queue))
+                held, budget = paced < budget, paced
         prefill_tokens = 0
         chunks = []
         for s in prompt_order:
@@ -402,7 +404,10 @@ class Replica:
                 emitted_total += 1
                 if self.remaining[s] <= 0:
                     self._finish(np.array([s]), end)
-        self.last_starved = max(len(self.prefilling) - sum(1 for s, _ in chunks if self.prefill_left[s] > 0), 0)
+        # prompts the pacer held back are not a queue: the replica is not short of capacity (a
+        # policy that reads a queue as "capacity alone" would drop the TPOT targets pacing keeps)
+        self.last_starved = 0 if held else max(
+            len(self.prefilling) - sum(1 for s, _ in chunks if self.prefill_left[s] > 0), 0)
         rec.step_end.append(end)
         rec.step_wall.append(t.wall_s)
         rec.step_decoding.append(n_dec)
@@ -413,7 +418,8 @@ class Replica:
                                     *(int(x) for x in draft_batch if x > 0)])
         self.last_verify_tokens, self.last_context = verify_tokens, context
         if self.admission is not None:
-            self.admission.observe(t.wall_s, prefill_tokens, bool(self.queue) or bool(self.prefilling))
+            # a step the pacer held back does not show the rate the replica can prefill at
+            self.admission.observe(t.wall_s, prefill_tokens, bool(self.queue) or (bool(self.prefilling) and not held))
         if self.pacer is not None:
             self.pacer.observe(t.wall_s, decode_tokens, prefill_tokens,
                                {g.request_class: (g.emitted, g.num_requests) for g in outcome_groups})

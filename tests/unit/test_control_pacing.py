@@ -117,6 +117,8 @@ def test_the_engine_caps_prompt_chunks_and_every_token_is_unchanged(tiny_dir):
                 got[o.request_id] = o.token_ids
     assert [got[r] for r in rid] == want  # pacing moves prompt work between steps, nothing else
     assert eng.pacer.paced_steps > 0
+    held = [s for s in steps if s.prompts_held]
+    assert held and all(s.backlog == 0 for s in held)  # held by choice: no queue for the controller
     chunks = [s.prefill_tokens for s in steps if s.prefill_tokens and s.batch_size]
     assert len(chunks) > 3 and max(chunks) < 300  # the 300-token prompt was spread over steps
     # the control: without the pacer the same prompt goes in whole
