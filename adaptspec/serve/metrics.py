@@ -38,6 +38,7 @@ METRICS = {
     "adaptspec_accepted_tokens": ("counter", _CD),
     "adaptspec_emitted_tokens": ("counter", _C),
     "adaptspec_drafter_faults": ("counter", ()),
+    "adaptspec_paced_steps": ("counter", ()),
     "adaptspec_accepted_length": ("histogram", _CD),
     "adaptspec_chosen_k": ("histogram", _CD),
     "adaptspec_step_seconds": ("histogram", ()),
@@ -98,6 +99,8 @@ class ServiceMetrics:
         self.goodput = metrics.Gauge("adaptspec_goodput_tokens_per_second",
                                      description="emitted tokens per second of step time (last report)")
         self.drafter_faults = metrics.Counter("adaptspec_drafter_faults", description="drafter errors or timeouts")
+        self.paced_steps = metrics.Counter("adaptspec_paced_steps", description="engine steps whose prompt chunks "
+                                           "TPOT-paced prefill cut (pacing.enabled)")
         self.policy_k = metrics.Gauge("adaptspec_policy_k", description="k of the arm the policy chose for the class",
                                       tag_keys=("request_class",))
         self.policy_drafter = metrics.Gauge(
@@ -107,8 +110,10 @@ class ServiceMetrics:
     def observe_steps(self, steps: list) -> None:
         """``steps``: engine ``StepStats`` (read by attribute)."""
         wall = emitted = 0.0
+        held = 0
         for st in steps:
             self.step_time.observe(st.wall_s)
+            held += bool(getattr(st, "prompts_held", False))
             wall += st.wall_s
             for r in st.requests:
                 tags = {"request_class": r.request_class, "drafter": r.drafter}
@@ -119,6 +124,8 @@ class ServiceMetrics:
                 self.accepted_length.observe(r.emitted, tags)
                 self.chosen_k.observe(r.k, tags)
                 emitted += r.emitted
+        if held:
+            self.paced_steps.inc(held)
         if steps:
             last = steps[-1]
             self.batch_size.set(last.batch_size)

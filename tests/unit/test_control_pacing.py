@@ -170,3 +170,17 @@ def test_pacing_keeps_the_interactive_class_within_its_target_through_batch_burs
     assert miss_off > 0.005  # the control: without pacing, batch bursts push interactive tokens past 35 ms
     assert miss_on < 0.5 * miss_off
     assert cls(on, "batch").slo_attainment >= cls(off, "batch").slo_attainment - 0.01  # the batch class keeps its TTFT
+
+
+def test_the_replica_counts_paced_steps():
+    from adaptspec.engine.stats import StepStats
+    from adaptspec.serve.metrics import ServiceMetrics
+
+    m = ServiceMetrics()
+    seen = []
+    m.paced_steps.inc = lambda n=1.0, tags=None: seen.append(n)  # Ray's metrics backend is not under test
+    steps = [StepStats(i, 2, 1, 64, 6, 100, 3, 0.0, 0.0, 0.01, 0.0, 0.01, prompts_held=held)
+             for i, held in enumerate([True, False, True])]
+    m.observe_steps(steps)
+    assert seen == [2]
+    assert [s.backlog for s in steps] == [0, 3, 0]
