@@ -55,14 +55,14 @@ def build_engine(cfg: ServiceConfig, *, target: str | None = None, torch_threads
     torch.set_num_threads(torch_threads or cfg.engine.torch_threads or max(1, int(cfg.target.num_cpus or 1)))
     draft = cfg.models.draft if cfg.placement == "colocated" and not target else None
     engine = Engine.from_pretrained(target or cfg.models.target, draft=draft, dtype=cfg.models.dtype,
-                                  device=cfg.models.device, max_num_seqs=cfg.engine.max_num_seqs,
-                                  max_model_len=cfg.engine.max_model_len,
-                                  max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
-                                  block_size=cfg.engine.block_size,
-                                  enable_prefix_caching=cfg.engine.enable_prefix_caching,
-                                  kv_cache_memory=cfg.engine.kv_cache_memory,
-                                  cuda_graphs=cfg.engine.cuda_graphs,
-                                  cuda_graph_max_tokens=cfg.engine.cuda_graph_max_tokens)
+                                    device=cfg.models.device, max_num_seqs=cfg.engine.max_num_seqs,
+                                    max_model_len=cfg.engine.max_model_len,
+                                    max_num_batched_tokens=cfg.engine.max_num_batched_tokens,
+                                    block_size=cfg.engine.block_size,
+                                    enable_prefix_caching=cfg.engine.enable_prefix_caching,
+                                    kv_cache_memory=cfg.engine.kv_cache_memory,
+                                    cuda_graphs=cfg.engine.cuda_graphs,
+                                    cuda_graph_max_tokens=cfg.engine.cuda_graph_max_tokens)
     engine.pacer = prefill_pacer(cfg)
     return engine
 
