@@ -118,9 +118,10 @@ class PrefillPacer:
 
     # ---- the cap ----------------------------------------------------------------------
     def step_budget_s(self, decoding: Iterable[str]) -> float | None:
-        """The step's seconds for the TPOT classes among ``decoding`` (None: none decodes)."""
+        """The step's seconds for the TPOT classes among ``decoding`` (None: none decodes;
+        a class named more than once counts once)."""
         s = None
-        for c in set(decoding):
+        for c in decoding:
             t = self.tpot_s.get(c)
             if t is not None:
                 b = self.margin * t * self.tokens_per_step(c)
@@ -131,7 +132,7 @@ class PrefillPacer:
                       budget: int, blocked: bool = False) -> int:
         """Prompt tokens this step may carry, at most ``budget`` (the scheduler's).
 
-        ``decoding``: the class of every request decoding in the step; ``waiting``: every
+        ``decoding``: the classes of the requests decoding in the step; ``waiting``: every
         request whose prompt is not all in, in the order the scheduler serves them, as (class,
         prompt tokens left, seconds since it arrived)."""
         if budget <= 0:

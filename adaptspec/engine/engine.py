@@ -130,7 +130,6 @@ class Engine:
         # TPOT-paced prefill (``adaptspec.control.pacing.PrefillPacer``): caps each step's prompt
         # chunks for the request classes with a TPOT target; None: chunks fill the step's budget
         self.pacer = None
-        self._held = False  # the pacer cut this step's prompt work
         # CUDA: the forward timed by events, read once complete (ForwardTimer); steps whose
         # events are still running wait here, published in order
         self._timer = ForwardTimer() if self.device.type == "cuda" else None
@@ -328,7 +327,6 @@ class Engine:
     # ---- the step --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        self._held = False
         if self.pacer is None:
             plan = self.scheduler.schedule(self._k_for)
         else:
@@ -347,18 +345,15 @@ class Engine:
     def _prompt_deadline(self, s: Sequence) -> float:
         return self.pacer.deadline(s.request_class, s.arrival_s)
 
-    def _prompt_cap(self, rows: list[ScheduledRow], budget: int) -> int:
+    def _prompt_cap(self, rows: list[ScheduledRow], budget: int, pending: list[Sequence]) -> int:
         """TPOT-paced prefill: the prompt tokens this step may carry (``PrefillPacer``)."""
         now = time.perf_counter()
         sched = self.scheduler
-        order = sorted([*(s for s in sched.running if s.prefilling), *sched.waiting], key=self._prompt_deadline)
-        waiting = [(s.request_class, len(s.token_ids) - s.num_computed, now - s.arrival_s) for s in order]
+        waiting = [(s.request_class, len(s.token_ids) - s.num_computed, now - s.arrival_s) for s in pending]
         # every slot taken while requests wait: holding prompt work back only keeps them waiting
         blocked = bool(sched.waiting) and len(sched.running) >= sched.max_num_seqs
-        out = self.pacer.prompt_budget([r.seq.request_class for r in rows], sum(r.num_new + r.k for r in rows),
-                                       waiting, budget, blocked=blocked)
-        self._held = out < budget
-        return out
+        return self.pacer.prompt_budget({r.seq.request_class for r in rows}, sum(r.num_new + r.k for r in rows),
+                                        waiting, budget, blocked=blocked)
 
     def generate(self, prompts: Seq[str | Seq[int]], params: SamplingParams | list[SamplingParams] | None = None,
                  spec: SpecConfig | list[SpecConfig] | None = None, *, raw: bool = False,
@@ -616,7 +611,7 @@ class Engine:
                        sum(1 for r in rows if not r.decode), prefill_tokens, verify_tokens,
                        sum(r.seq.num_computed for r in rows), len(self.scheduler.waiting),
                        0.0, t1 - t0, t2 - t1, t3 - t2, t3 - t0, req_stats, t3,
-                       len(self.scheduler.waiting) + len(self.scheduler.running), self._held)
+                       len(self.scheduler.waiting) + len(self.scheduler.running), plan.prompts_held)
         self.step_count += 1
         if self.pacer is not None:
             per_class: dict[str, tuple[int, int]] = {}

@@ -36,6 +36,7 @@ class SchedulerOutput:
     rows: list[ScheduledRow] = field(default_factory=list)  # decode rows first, then prompt chunks
     admitted: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    prompts_held: bool = False  # ``prompt_cap`` cut the prompt work this step could have carried
 
     @property
     def num_tokens(self) -> int:
@@ -65,12 +66,13 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self, k_of: Callable[[Sequence], int],
-                 prompt_cap: Callable[[list[ScheduledRow], int], int] | None = None,
+                 prompt_cap: Callable[[list[ScheduledRow], int, list[Sequence]], int] | None = None,
                  prompt_key: Callable[[Sequence], float] | None = None) -> SchedulerOutput:
-        """The step's rows. ``prompt_cap(decode rows, budget left)``: at most how many of the
-        budget's remaining tokens prompt chunks may take (TPOT-paced prefill; None: all).
-        ``prompt_key``: serve prompt work (partly prefilled requests, then admissions) in this
-        order, smallest first, instead of admission order (with pacing: earliest deadline)."""
+        """The step's rows. ``prompt_cap(decode rows, budget left, prompt work in the order it is
+        served)``: at most how many of the budget's remaining tokens prompt chunks may take
+        (TPOT-paced prefill; None: all). ``prompt_key``: serve prompt work (partly prefilled
+        requests, then admissions) in this order, smallest first, instead of admission order
+        (with pacing: earliest deadline; the waiting queue keeps that order)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         decoding = [s for s in self.running if not s.prefilling]
@@ -93,11 +95,16 @@ class Scheduler:
             spare -= k
             out.rows.append(ScheduledRow(s, 1, k, True))
         budget -= sum(r.num_new + r.k for r in out.rows)
-        if prompt_cap is not None and budget > 0 and out.rows:
-            budget = max(0, min(budget, prompt_cap(out.rows, budget)))
         prefilling = [s for s in self.running if s.prefilling]
         if prompt_key is not None:
             prefilling.sort(key=prompt_key)
+            ordered = sorted(self.waiting, key=prompt_key)  # stable: ties keep the queue's order
+            self.waiting.clear()
+            self.waiting.extend(ordered)
+        if prompt_cap is not None and budget > 0 and out.rows:
+            cap = prompt_cap(out.rows, budget, [*prefilling, *self.waiting])
+            out.prompts_held = cap < budget
+            budget = max(0, min(budget, cap))
         for s in prefilling:
             if budget <= 0:
                 break
@@ -107,13 +114,13 @@ class Scheduler:
                 out.rows.append(ScheduledRow(s, n, 0))
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            s = self.waiting[0] if prompt_key is None else min(self.waiting, key=prompt_key)
+            s = self.waiting[0]
             self.kv.admit(s)
             n = self._chunk(s, budget, reserve=len(self.running))
             if n <= 0:  # no room in the pool now: it waits (its prefix-cache references go back)
                 self.kv.free(s)
                 break
-            self.waiting.remove(s)
+            self.waiting.popleft()
             s.status = Status.RUNNING
             s.num_cached_tokens = s.num_computed
             if self.on_admit is not None:

@@ -326,8 +326,8 @@ class Replica:
                 rows = np.arange(n_dec) if scheduled is None else np.flatnonzero(scheduled)
                 waiting = [(self._names[self.cls[s]], int(self.prefill_left[s]), now - float(arrival[self.rid[s]]))
                            for s in prompt_order]
-                paced = self.pacer.prompt_budget([self._names[c] for c in self.cls[dec[rows]]], decode_tokens,
-                                                 waiting, budget, blocked=bool(self.queue))
+                paced = self.pacer.prompt_budget([self._names[c] for c in np.unique(self.cls[dec[rows]])],
+                                                 decode_tokens, waiting, budget, blocked=bool(self.queue))
                 held, budget = paced < budget, paced
         prefill_tokens = 0
         chunks = []
