@@ -70,15 +70,18 @@ def draft_batch(draft_other: np.ndarray, n_class: float, k_draft: np.ndarray) ->
 
 
 def verify_features(verify_tokens: np.ndarray, context_tokens: float,
-                    shape: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-    """[A] tokens -> [A, 2 + len(VERIFY_KNOTS) (+ 1 with ``shape``) + 1] design matrix.
-    ``shape``: a prior's verify curve (tokens, seconds), one more column, its value."""
+                    shape: tuple[np.ndarray, np.ndarray] | None = None, prompt: float = 0.0) -> np.ndarray:
+    """[A] decode and verification tokens -> [A, 2 + len(VERIFY_KNOTS) (+ 1 with ``shape``) + 2]
+    design matrix: the curve's columns, then the context's and the prompt chunks' (``prompt``:
+    their feature, ``OnlineStepCost.prompt_feature``). ``shape``: a prior's verify curve (tokens,
+    seconds), one more column, its value."""
     n = np.asarray(verify_tokens, dtype=float)
     cols = [np.ones_like(n), n * _TOK]
     cols += [np.maximum(n - kt, 0.0) * _TOK for kt in VERIFY_KNOTS]
     if shape is not None:
         cols.append(np.interp(n, *shape))
     cols.append(np.full_like(n, context_tokens * _CTX))
+    cols.append(np.full_like(n, prompt))
     return np.stack(cols, axis=-1)
 
 
@@ -150,14 +153,17 @@ class _DiscountedRidge:
 # interpolation of a few dozen points (same result; the wrapper where the core is absent)
 _interp = getattr(getattr(np, "_core", getattr(np, "core", None)).multiarray, "interp", np.interp)
 _XS = np.array((0.0,) + VERIFY_KNOTS + (1e6,))
-_BASIS = verify_features(_XS, 0.0)[:, :-1]  # the verify curve at its knots, per coefficient
+_BASIS = verify_features(_XS, 0.0)[:, :-2]  # the verify curve at its knots, per coefficient
 
 
 @dataclass(slots=True)
 class OnlineStepCost:
     """Step cost learned online from observed steps; no offline profile required.
 
-    verify_s ~ piecewise-linear(verify_tokens) [+ a * the prior's verify curve] + c * context_tokens;
+    verify_s ~ piecewise-linear(tokens) [+ a * the prior's verify curve] + c * context_tokens
+               [+ p * the prior's price of the step's prompt chunks];
+    with a prior's curve (``seed_from``) the curve is over the decode and verification tokens and
+    the chunks have their own term (``prompt_feature``, ``chunk_s``); without one, over all tokens;
     draft_s ~ d0 * forwards + d1 * drafted tokens + d2 * drafted tokens * context + g * n-gram requests;
     other_s ~ discounted mean. Optionally seeded from a profile (``seed_from``).
 
@@ -181,12 +187,16 @@ class OnlineStepCost:
     _basis: np.ndarray = field(init=False, default_factory=lambda: _BASIS)  # the verify features at _xs
     _ys: np.ndarray = field(init=False, default=None)
     _ctx_coef: float = field(init=False, default=0.0)
+    # the prompt chunks' column: its coefficient (see prompt_feature), and the seeding
+    # profile's price of a chunk (prompt tokens, decode tokens) -> seconds, where it has a prompt table
+    prompt_coef: float = field(init=False, default=0.0)
+    _prompt_table: object = field(init=False, default=None)
     _dl: list = field(init=False, default=None)
     _fwd: dict = field(init=False, default_factory=dict)
     _fwd_keep: list = field(init=False, default_factory=list)  # keeps cached arrays' ids valid
 
     def __post_init__(self) -> None:
-        dv = 3 + len(VERIFY_KNOTS)
+        dv = 4 + len(VERIFY_KNOTS)
         self.verify = _DiscountedRidge(dv, self.discount, self.prior_weight, np.zeros(dv))
         self.draft = _DiscountedRidge(4, self.discount, self.prior_weight, np.zeros(4))
 
@@ -211,12 +221,31 @@ class OnlineStepCost:
             self._shape = (grid, np.asarray(curve, dtype=float))
             # the curve bends at the knots and at the profile's points: evaluate it at all of them
             self._xs = np.union1d(_XS, grid)
-            self._basis = verify_features(self._xs, 0.0, self._shape)[:, :-1]
-            dv = 4 + len(VERIFY_KNOTS)
+            self._basis = verify_features(self._xs, 0.0, self._shape)[:, :-2]
+            dv = 5 + len(VERIFY_KNOTS)
             self.verify = _DiscountedRidge(dv, self.discount, self.prior_weight, np.zeros(dv))
         for ctx in (0.0, 256.0 * 64, 2048.0 * 128):
             t0 = model.predict(n, ctx, np.zeros(max_k), 0.0, none, none, ctx / 64) - overhead
             self.verify.seed(verify_features(n, ctx, self._shape), t0, weight)
+        # steps with a prompt chunk: the model's price of them (its prompt table where it has one,
+        # else its verify curve over all the step's tokens: prompt_feature's own column)
+        chunk_price = getattr(model, "prompt_s", None)
+        if keep_shape and chunk_price is not None and chunk_price(8, 0) > 0:
+            self._prompt_table = chunk_price
+        p = np.unique(np.geomspace(8, max(max_tokens // 2, 8), 10).astype(int)).astype(float)
+        for d in (1.0, 8.0, 32.0):
+            base = float(model.predict(np.array([d]), 0.0, np.zeros(max_k), 0.0, none[:1], none[:1], 0.0)[0])
+            if chunk_price is not None and chunk_price(8, 0) > 0:
+                t = base + np.array([chunk_price(int(x), int(d)) for x in p])
+            else:
+                t = np.asarray(model.predict(d + p, 0.0, np.zeros(max_k), 0.0, np.zeros(p.size), np.zeros(p.size),
+                                             0.0), dtype=float)
+            if self._shape is None:  # no curve of the profile's kept: prompt tokens ride on the curve
+                X = verify_features(d + p, 0.0)
+            else:
+                X = np.stack([verify_features(np.array([d]), 0.0, self._shape, self.prompt_feature(d, x))[0]
+                              for x in p])
+            self.verify.seed(X, t - overhead, weight)
         self.other_s, self._other_w = overhead, 1.0  # one pseudo-step: the first real ones replace it
         b = np.unique(np.geomspace(1, 256, 10).astype(int)).astype(float)
         one = np.ones(b.size)
@@ -229,11 +258,22 @@ class OnlineStepCost:
 
     def observe(self, step: StepOutcome, draft_batch: np.ndarray, ngram_requests: int, mean_context: float) -> None:
         """draft_batch: [K] requests drafting with the draft model at each position."""
-        n = float(step.verify_tokens)
+        # the curve is of the decode and verification tokens; a step's prompt chunks add a term of
+        # their own. One curve over all of a step's tokens was bent by the steps with chunks (tens
+        # to hundreds of prompt tokens, cheaper a token than verification): live on the CPU at 16
+        # clients it lost the profile's step at 16 -> 18 tokens and priced four more verified
+        # tokens at +14% of a step where they cost +23%, so it put a class on n-gram lookup where
+        # no speculation was faster (issue #25)
+        # Without a profile's curve to price them by, a chunk's tokens stay on the one curve (the
+        # chunk is then priced as its step's tokens, which is right for a curve that is smooth
+        # where chunks fall: a GPU's, flat and then linear).
+        chunked = self._shape is not None and step.num_prefill > 0
+        n = float(step.verify_tokens - step.num_prefill) if chunked else float(step.verify_tokens)
         xv = [1.0, n * _TOK] + [max(n - kt, 0.0) * _TOK for kt in VERIFY_KNOTS]
         if self._shape is not None:
             xv.append(float(np.interp(n, *self._shape)))
         xv.append(step.context_tokens * _CTX)
+        xv.append(float(self.prompt_feature(n, step.num_prefill)) if chunked else 0.0)
         self.verify.update(np.array(xv), step.verify_s)
         tokens = float(draft_batch.sum())
         xd = [float(np.count_nonzero(draft_batch)), tokens * _TOK, tokens * mean_context * _CTX, ngram_requests * _TOK]
@@ -249,12 +289,37 @@ class OnlineStepCost:
     def _refresh(self) -> None:
         """Turn the fitted coefficients into an interpolation table (cheap to evaluate)."""
         v = self.verify.coef()
-        self._ys = self._basis @ v[:-1]
-        self._ctx_coef = v[-1] * _CTX
+        self._ys = self._basis @ v[:-2]
+        self._ctx_coef = v[-2] * _CTX
+        self.prompt_coef = float(v[-1])
         self._dl = [float(x) for x in self.draft.coef()]
         self._stale = False
 
     batched = True  # predict takes [C, ...] rows (see StepCostModel)
+
+    def prompt_feature(self, decode_tokens, prompt_tokens):
+        """The prompt chunks' column for steps of ``decode_tokens`` with ``prompt_tokens`` of chunks
+        (any shapes that broadcast): what the seeding profile charges them (its prompt table, or
+        its verify curve from the decode tokens to all the step's tokens), or, without a profile,
+        the prompt tokens (unused: see ``observe``). Its coefficient scales it to the live steps."""
+        d = np.asarray(decode_tokens, dtype=float)
+        p = np.asarray(prompt_tokens, dtype=float)
+        if self._prompt_table is not None:
+            f = np.vectorize(lambda pp, dd: self._prompt_table(int(pp), int(dd)), otypes=[float])
+            return f(p, d)
+        if self._shape is not None:
+            return np.interp(d + p, *self._shape) - np.interp(d, *self._shape)
+        return p * _TOK + 0.0 * d
+
+    def chunk_s(self, verify_tokens, chunk_tokens):
+        """Seconds a prompt chunk of ``chunk_tokens`` adds to a step of ``verify_tokens`` decode
+        and verification tokens (any shape), as learned from the steps that carried chunks; None
+        without a profile's curve (the chunk is then priced on the curve, see ``observe``)."""
+        if self._shape is None:
+            return None
+        if self._stale:
+            self._refresh()
+        return self.prompt_coef * self.prompt_feature(verify_tokens, chunk_tokens)
 
     def step_time(self, verify_tokens, context_tokens, draft_batch, ngram_requests, mean_context):
         """Seconds of a step of a given composition (``StepCostModel.step_time``)."""

@@ -316,6 +316,18 @@ _GH_Z, _GH_W = np.polynomial.hermite_e.hermegauss(9)
 _GH_W = _GH_W / _GH_W.sum()
 
 
+def _chunk_extra(cost, V: np.ndarray, chunk: float, T: np.ndarray, rest: tuple) -> np.ndarray:
+    """Seconds a prompt chunk of ``chunk`` tokens adds to steps of ``V`` decode and verification
+    tokens (``T``: those steps' seconds, ``rest``: the rest of their composition): the cost
+    model's own price of a chunk where it has one (``OnlineStepCost.chunk_s``, learned from the
+    steps that carried chunks), else its curve over all the step's tokens (a profile's)."""
+    price = getattr(cost, "chunk_s", None)
+    extra = price(V, chunk) if price is not None else None
+    if extra is not None:
+        return np.asarray(extra, dtype=float)
+    return np.asarray(cost.step_time(V + chunk, *rest), dtype=float) - T
+
+
 @lru_cache(maxsize=64)
 def _integer_compositions(n: int, c: int) -> np.ndarray:
     """[M, c] every way to split ``n`` requests among ``c`` classes."""
@@ -498,7 +510,7 @@ class Planner:
         T = np.asarray(cost.step_time(V, ctx * n, D, G, ctx), dtype=float)
         if chunked:  # each chunk's extra time, x.chunk_rate per unit of theta: T += theta rate c = u rate c
             chunk = np.minimum(x.chunk_tokens, max(float(self.max_batched_tokens or np.inf), 1.0))
-            extra = np.asarray(cost.step_time(V + chunk, ctx * n, D, G, ctx), dtype=float) - T
+            extra = _chunk_extra(cost, V, chunk, T, (ctx * n, D, G, ctx))
             T = T + u[None, :] * x.chunk_rate * (x.prefill_rate / (x.chunk_rate * chunk)) * extra
             V = V + chunk  # the budget must hold a step with a chunk
         if share > 0:
@@ -514,11 +526,11 @@ class Planner:
         # the verify curve bends where a few requests' tokens are added, so a plan whose steps
         # vary more in size (a class with long proposals, a step holding 0-4 of its requests)
         # costs more than its mean step's price (issue #25)
-        T_now = np.asarray(cost.step_time(V_now, *now), dtype=float) @ prob
+        T_dec = np.asarray(cost.step_time(V_now, *now), dtype=float)
+        T_now = T_dec @ prob
         if chunked:  # time share of the chunks, at the rate seen: T_dec / (1 - rate c)
             chunk = np.minimum(x.chunk_tokens, max(float(self.max_batched_tokens or np.inf), 1.0))
-            T_chunk = np.asarray(cost.step_time(V_now + chunk, *now), dtype=float) @ prob
-            busy = x.prefill_rate / chunk * (T_chunk - T_now)
+            busy = x.prefill_rate / chunk * (_chunk_extra(cost, V_now, chunk, T_dec, now) @ prob)
             T_now = T_now / np.maximum(1.0 - busy, 0.05)
         if share > 0:
             T_now = T_now / (1.0 - share)
