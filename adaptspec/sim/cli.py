@@ -104,9 +104,32 @@ def register(app: typer.Typer) -> None:
         from_steps: Optional[Path] = typer.Option(None, help="measure nothing: fit the profile again from a "
                                                              "calibration's raw steps (<profile>.steps.csv), with "
                                                              "the limits of the profile beside it"),
+        config: Optional[str] = typer.Option(None, help="service config YAML: measure the engine it builds (its "
+                                                         "models, dtype, device, torch threads, engine limits) as "
+                                                         "`adaptspec fidelity` does, the profile a `loadtest` of "
+                                                         "that config should name as controller.cost_profile; "
+                                                         "--target/--draft/--dtype/--device and the grid then "
+                                                         "come from it and the fidelity run's defaults"),
+        threads: Optional[int] = typer.Option(None, help="torch threads with --config (default: the config's)"),
     ) -> None:
         """Measure this machine's step costs with the live engine; write a profile JSON."""
         from adaptspec.sim.calibrate import calibrate as run, refit
+
+        if threads is not None and (config is None or threads < 1):
+            typer.echo("error: --threads: a positive count, with --config" if config else
+                       "error: --threads needs --config (without it torch keeps its default)", err=True)
+            raise typer.Exit(2)
+        if config is not None:
+            from adaptspec.serve.config import load_config
+            from adaptspec.sim.fidelity_run import FidelityOptions, calibrate_for
+
+            try:
+                path = calibrate_for(load_config(config), out, FidelityOptions(torch_threads=threads))
+            except (OSError, RuntimeError, ValueError) as e:
+                typer.echo(f"error: {e}", err=True)
+                raise typer.Exit(2)
+            typer.echo(f"wrote {path}")
+            return
 
         if from_steps is not None:
             if not Path(from_steps).is_file():

@@ -378,8 +378,8 @@ def test_steps_with_prompt_chunks_do_not_bend_the_learned_decode_curve(prompt_ta
         d = int(rng.integers(12, 17))
         p = int(rng.integers(100, 301)) if i % 3 == 0 else 0
         y = truth.step(d + p, ctx, np.zeros(8), 0, ctx / 16, prompt_tokens=p, requests=d)
-        model.observe(StepOutcome(d, p, d + p, ctx, y.draft_s, y.verify_s, y.other_s, y.wall_s, prefill_chunks=int(p > 0)),
-                      np.zeros(8), 0, ctx / 16)
+        step = StepOutcome(d, p, d + p, ctx, y.draft_s, y.verify_s, y.other_s, y.wall_s, prefill_chunks=int(p > 0))
+        model.observe(step, np.zeros(8), 0, ctx / 16)
 
     def price(m, v):
         return float(m.step_time(np.array([float(v)]), np.array([ctx]), np.zeros((1, 8)), np.zeros(1), ctx / 16)[0])

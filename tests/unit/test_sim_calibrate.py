@@ -473,3 +473,34 @@ def test_repeatability_summarises_back_to_back_probes_and_the_cli_refuses_bad_op
         res = CliRunner().invoke(app, ["speed-probe", *args])
         assert res.exit_code == 2 and field in res.output, (args, res.output)
 
+
+
+def test_calibrate_with_a_service_config_measures_the_engine_it_builds(tiny_dir, tmp_path):
+    """`adaptspec calibrate --config` measures what a load test of that config runs (its model,
+    dtype, torch threads, and the grid cut to its max_num_seqs and max_k), so its profile can be
+    named as that config's cost prior; --threads without --config, and a config that is not
+    there, are refused by name."""
+    import csv
+
+    import torch
+    import yaml
+    from typer.testing import CliRunner
+
+    from adaptspec.cli import app
+
+    cfg = tmp_path / "svc.yaml"
+    cfg.write_text(yaml.safe_dump({"models": {"target": str(tiny_dir), "draft": None, "dtype": "float32"},
+                                   "engine": {"max_num_seqs": 2, "torch_threads": 1}, "controller": {"max_k": 2}}))
+    threads = torch.get_num_threads()
+    try:
+        res = CliRunner().invoke(app, ["calibrate", "--config", str(cfg), "--out", str(tmp_path / "p.json")])
+    finally:
+        torch.set_num_threads(threads)
+    assert res.exit_code == 0, res.output
+    rows = list(csv.DictReader(open(tmp_path / "p.steps.csv")))
+    decode = {(r["batch_size"], r["drafter"], r["k"]) for r in rows if r["drafter"] in ("none", "ngram")}
+    assert {b for b, _, _ in decode} == {"1", "2"} and {k for _, d, k in decode if d == "ngram"} == {"2"}
+    assert ProfileCostModel.load(tmp_path / "p.json").profile.prefill_tokens  # the prompt table too
+    for args, field in ((["--threads", "1"], "--threads"), (["--config", str(tmp_path / "nope.yaml")], "nope.yaml")):
+        bad = CliRunner().invoke(app, ["calibrate", *args, "--out", str(tmp_path / "q.json")])
+        assert bad.exit_code == 2 and field in bad.output, (args, bad.output)

@@ -1,0 +1,104 @@
+"""Replay a fidelity run's live engine steps into the online step-cost model, as the live
+adaptive policy met them level by level, and price held-out live steps with what it learned.
+
+Why: the live controller learns its step costs from the steps it sees, which a simulation
+does not reproduce (its steps are priced by the profile it learns toward). A fidelity run logs
+every live step's shape and time (``live_runs.json.gz``), so the learned model can be checked
+against the live steps themselves: the price it gives a step over the price it took.
+
+    python simulations/cost_replay.py docs/results/2026-12-05-warm-calibration/live-50s
+
+Learns from the in-process path's ``--learn-policy`` runs at 1, 4 and 16 clients in that
+order (every step, prompt chunks included, as the live controller sees them), seeded with the
+run's calibration as the service seeds it; then prices the gRPC path's decode steps at 16
+clients (every policy), in bins of verified tokens; and prints what four more verified tokens
+add to a step of 16 at that level's context, learned and by the profile.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from pathlib import Path
+
+import numpy as np
+
+from adaptspec.control.costmodel import OnlineStepCost
+from adaptspec.control.costs import ProfileCostModel
+from adaptspec.control.types import StepOutcome
+
+K = 8  # the controller's max_k (draft positions of a step's shape)
+BINS = ((10, 14), (15, 16), (17, 20), (21, 32), (33, 48), (49, 80))
+
+
+def shapes(runs: list, policy: str | None, level: str, prompts: bool) -> list:
+    """Step shapes (``sim.step_shapes``) of the runs of ``policy`` (None: every one) at ``level``."""
+    out = []
+    for r in runs:
+        if (policy is None or r["policy"] == policy) and r["level"] == level:
+            out += [s for s in r["shapes"] if s[1] + s[2] > 0 and (prompts or s[2] == 0)]
+    return out
+
+
+def draft_batch(s: list) -> np.ndarray:
+    d = np.zeros(K)
+    x = s[9:9 + K]
+    d[:len(x)] = x
+    return d
+
+
+def outcome(s: list) -> StepOutcome:
+    """A shape as the controller's step outcome (``StepOutcome.from_step_stats``'s convention:
+    verify tokens and seconds are the whole forward, prompt chunks included)."""
+    return StepOutcome(batch_size=s[1], num_prefill=s[2], verify_tokens=s[3] + s[2], context_tokens=s[4],
+                       draft_s=s[6], verify_s=s[7], other_s=s[8], wall_s=s[6] + s[7] + s[8],
+                       prefill_chunks=int(s[2] > 0))
+
+
+def price(model, V: np.ndarray, ctx: np.ndarray, D: np.ndarray, G: np.ndarray, n: np.ndarray) -> np.ndarray:
+    return np.asarray(model.step_time(V, ctx, D, G, ctx / np.maximum(n, 1)), dtype=float)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folder", type=Path, help="a fidelity run's folder (profile.json, live_runs.json.gz)")
+    ap.add_argument("--learn-policy", default="thompson", help="whose live steps the model learns from")
+    args = ap.parse_args()
+    prof = ProfileCostModel.load(args.folder / "profile.json")
+    live = json.load(gzip.open(args.folder / "live_runs.json.gz"))["live"]
+    model = OnlineStepCost()
+    model.seed_from(prof, max_k=K)
+    seen = 0
+    for level in ("c=1", "c=4", "c=16"):
+        for s in shapes(live["in-process"], args.learn_policy, level, prompts=True):
+            model.observe(outcome(s), draft_batch(s), s[5], s[4] / max(s[1], 1))
+            seen += 1
+    test = shapes(live["grpc"], None, "c=16", prompts=False)
+    if not seen or not test:
+        raise SystemExit(f"{args.folder}: no in-process {args.learn_policy} steps or no gRPC steps at 16 clients")
+    V = np.array([s[3] for s in test], dtype=float)
+    ctx = np.array([s[4] for s in test], dtype=float)
+    n = np.array([s[1] for s in test], dtype=float)
+    D = np.array([draft_batch(s) for s in test])
+    G = np.array([s[5] for s in test], dtype=float)
+    took = np.array([s[6] + s[7] + s[8] for s in test])
+    print(f"learned from {seen} live steps ({args.learn_policy}, in-process, 1 -> 4 -> 16 clients); "
+          f"priced {len(test)} decode steps of the gRPC path at 16 clients")
+    print("| verified tokens | steps | learned / live (median) | profile / live (median) |")
+    print("|---|---|---|---|")
+    learned, profiled = price(model, V, ctx, D, G, n), price(prof, V, ctx, D, G, n)
+    for lo, hi in BINS:
+        m = (V >= lo) & (V <= hi)
+        if m.sum() >= 5:
+            print(f"| {lo}-{hi} | {m.sum()} | {np.median(learned[m] / took[m]):.3f} | "
+                  f"{np.median(profiled[m] / took[m]):.3f} |")
+    c = float(np.median(ctx[(V >= 15) & (V <= 16)])) if ((V >= 15) & (V <= 16)).any() else 16 * 200.0
+    q = np.array([16.0, 20.0])
+    z = (q, np.full(2, c), np.zeros((2, K)), np.zeros(2), np.full(2, 16.0))
+    a, b = price(model, *z), price(prof, *z)
+    print(f"four more verified tokens on a step of 16 (context {c:.0f}): learned +{100 * (a[1] / a[0] - 1):.1f}%, "
+          f"profile +{100 * (b[1] / b[0] - 1):.1f}%")
+
+
+if __name__ == "__main__":
+    main()
