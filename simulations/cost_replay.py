@@ -59,45 +59,60 @@ def price(model, V: np.ndarray, ctx: np.ndarray, D: np.ndarray, G: np.ndarray, n
     return np.asarray(model.step_time(V, ctx, D, G, ctx / np.maximum(n, 1)), dtype=float)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("folder", type=Path, help="a fidelity run's folder (profile.json, live_runs.json.gz)")
-    ap.add_argument("--learn-policy", default="thompson", help="whose live steps the model learns from")
-    args = ap.parse_args()
-    prof = ProfileCostModel.load(args.folder / "profile.json")
-    live = json.load(gzip.open(args.folder / "live_runs.json.gz"))["live"]
+def replay(folder: Path, learn_policy: str = "thompson") -> dict:
+    """{"learned": steps learned from, "priced": steps priced, "bins": [(lo, hi, steps, learned / live,
+    profile / live)], "four_more": (learned, profile) relative rise of a step of 16 by 4 tokens}."""
+    prof = ProfileCostModel.load(folder / "profile.json")
+    live = json.load(gzip.open(folder / "live_runs.json.gz"))["live"]
     model = OnlineStepCost()
     model.seed_from(prof, max_k=K)
     seen = 0
     for level in ("c=1", "c=4", "c=16"):
-        for s in shapes(live["in-process"], args.learn_policy, level, prompts=True):
+        for s in shapes(live["in-process"], learn_policy, level, prompts=True):
             model.observe(outcome(s), draft_batch(s), s[5], s[4] / max(s[1], 1))
             seen += 1
     test = shapes(live["grpc"], None, "c=16", prompts=False)
     if not seen or not test:
-        raise SystemExit(f"{args.folder}: no in-process {args.learn_policy} steps or no gRPC steps at 16 clients")
+        raise ValueError(f"{folder}: no in-process {learn_policy} steps or no gRPC steps at 16 clients")
     V = np.array([s[3] for s in test], dtype=float)
     ctx = np.array([s[4] for s in test], dtype=float)
     n = np.array([s[1] for s in test], dtype=float)
     D = np.array([draft_batch(s) for s in test])
     G = np.array([s[5] for s in test], dtype=float)
     took = np.array([s[6] + s[7] + s[8] for s in test])
-    print(f"learned from {seen} live steps ({args.learn_policy}, in-process, 1 -> 4 -> 16 clients); "
-          f"priced {len(test)} decode steps of the gRPC path at 16 clients")
-    print("| verified tokens | steps | learned / live (median) | profile / live (median) |")
-    print("|---|---|---|---|")
     learned, profiled = price(model, V, ctx, D, G, n), price(prof, V, ctx, D, G, n)
+    bins = []
     for lo, hi in BINS:
         m = (V >= lo) & (V <= hi)
         if m.sum() >= 5:
-            print(f"| {lo}-{hi} | {m.sum()} | {np.median(learned[m] / took[m]):.3f} | "
-                  f"{np.median(profiled[m] / took[m]):.3f} |")
+            bins.append((lo, hi, int(m.sum()), float(np.median(learned[m] / took[m])),
+                         float(np.median(profiled[m] / took[m]))))
     c = float(np.median(ctx[(V >= 15) & (V <= 16)])) if ((V >= 15) & (V <= 16)).any() else 16 * 200.0
     q = np.array([16.0, 20.0])
     z = (q, np.full(2, c), np.zeros((2, K)), np.zeros(2), np.full(2, 16.0))
     a, b = price(model, *z), price(prof, *z)
-    print(f"four more verified tokens on a step of 16 (context {c:.0f}): learned +{100 * (a[1] / a[0] - 1):.1f}%, "
-          f"profile +{100 * (b[1] / b[0] - 1):.1f}%")
+    return {"learned": seen, "priced": len(test), "bins": bins, "context": c,
+            "four_more": (float(a[1] / a[0] - 1), float(b[1] / b[0] - 1))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("folder", type=Path, help="a fidelity run's folder (profile.json, live_runs.json.gz)")
+    ap.add_argument("--learn-policy", default="thompson", help="whose live steps the model learns from")
+    args = ap.parse_args()
+    try:
+        r = replay(args.folder, args.learn_policy)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"learned from {r['learned']} live steps ({args.learn_policy}, in-process, 1 -> 4 -> 16 clients); "
+          f"priced {r['priced']} decode steps of the gRPC path at 16 clients")
+    print("| verified tokens | steps | learned / live (median) | profile / live (median) |")
+    print("|---|---|---|---|")
+    for lo, hi, m, a, b in r["bins"]:
+        print(f"| {lo}-{hi} | {m} | {a:.3f} | {b:.3f} |")
+    a, b = r["four_more"]
+    print(f"four more verified tokens on a step of 16 (context {r['context']:.0f}): learned +{100 * a:.1f}%, "
+          f"profile +{100 * b:.1f}%")
 
 
 if __name__ == "__main__":
