@@ -188,7 +188,8 @@ class OnlineStepCost:
     _ys: np.ndarray = field(init=False, default=None)
     _ctx_coef: float = field(init=False, default=0.0)
     # the prompt chunks' column: its coefficient (see prompt_feature), and the seeding
-    # profile's price of a chunk (prompt tokens, decode tokens) -> seconds, where it has a prompt table
+    # profile's price of chunks (prompt tokens, decode tokens: arrays) -> seconds, where it has a
+    # prompt table (``ProfileCostModel.prompt_s_many``)
     prompt_coef: float = field(init=False, default=0.0)
     _prompt_table: object = field(init=False, default=None)
     _dl: list = field(init=False, default=None)
@@ -229,14 +230,15 @@ class OnlineStepCost:
             self.verify.seed(verify_features(n, ctx, self._shape), t0, weight)
         # steps with a prompt chunk: the model's price of them (its prompt table where it has one,
         # else its verify curve over all the step's tokens: prompt_feature's own column)
-        chunk_price = getattr(model, "prompt_s", None)
-        if keep_shape and chunk_price is not None and chunk_price(8, 0) > 0:
-            self._prompt_table = chunk_price
+        many = getattr(model, "prompt_s_many", None)
+        table = many if many is not None and many(8.0, 0.0) is not None else None
+        if keep_shape:
+            self._prompt_table = table
         p = np.unique(np.geomspace(8, max(max_tokens // 2, 8), 10).astype(int)).astype(float)
         for d in (1.0, 8.0, 32.0):
             base = float(model.predict(np.array([d]), 0.0, np.zeros(max_k), 0.0, none[:1], none[:1], 0.0)[0])
-            if chunk_price is not None and chunk_price(8, 0) > 0:
-                t = base + np.array([chunk_price(int(x), int(d)) for x in p])
+            if table is not None:
+                t = base + table(p, d)
             else:
                 t = np.asarray(model.predict(d + p, 0.0, np.zeros(max_k), 0.0, np.zeros(p.size), np.zeros(p.size),
                                              0.0), dtype=float)
@@ -258,15 +260,13 @@ class OnlineStepCost:
 
     def observe(self, step: StepOutcome, draft_batch: np.ndarray, ngram_requests: int, mean_context: float) -> None:
         """draft_batch: [K] requests drafting with the draft model at each position."""
-        # the curve is of the decode and verification tokens; a step's prompt chunks add a term of
-        # their own. One curve over all of a step's tokens was bent by the steps with chunks (tens
-        # to hundreds of prompt tokens, cheaper a token than verification): live on the CPU at 16
-        # clients it lost the profile's step at 16 -> 18 tokens and priced four more verified
-        # tokens at +14% of a step where they cost +23%, so it put a class on n-gram lookup where
-        # no speculation was faster (issue #25)
-        # Without a profile's curve to price them by, a chunk's tokens stay on the one curve (the
-        # chunk is then priced as its step's tokens, which is right for a curve that is smooth
-        # where chunks fall: a GPU's, flat and then linear).
+        # With a profile's curve, the curve is of the decode and verification tokens and a step's
+        # prompt chunks add a term of their own: prompt tokens do not cost what verified ones do
+        # (a CPU's prompt passes are cheaper a token), and one curve over all of a step's tokens,
+        # fitted to the steps with chunks too, lost the profile's steps and mispriced the tokens
+        # a class's speculation adds (issue #25). Without a profile's curve to price them by, a
+        # chunk's tokens stay on the one curve: right where the curve is smooth where chunks fall
+        # (a GPU's, flat and then linear).
         chunked = self._shape is not None and step.num_prefill > 0
         n = float(step.verify_tokens - step.num_prefill) if chunked else float(step.verify_tokens)
         xv = [1.0, n * _TOK] + [max(n - kt, 0.0) * _TOK for kt in VERIFY_KNOTS]
@@ -305,8 +305,7 @@ class OnlineStepCost:
         d = np.asarray(decode_tokens, dtype=float)
         p = np.asarray(prompt_tokens, dtype=float)
         if self._prompt_table is not None:
-            f = np.vectorize(lambda pp, dd: self._prompt_table(int(pp), int(dd)), otypes=[float])
-            return f(p, d)
+            return self._prompt_table(p, d)
         if self._shape is not None:
             return np.interp(d + p, *self._shape) - np.interp(d, *self._shape)
         return p * _TOK + 0.0 * d

@@ -189,6 +189,15 @@ class ProfileCostModel:
         t = np.interp(batch, self._dx, self._dy) + self.profile.draft_context_s_per_token * batch * mean_context
         return np.where(batch > 0, t, 0.0)
 
+    def prompt_s_many(self, prompt_tokens, decode_tokens) -> np.ndarray | None:
+        """``prompt_s`` over arrays (any shapes that broadcast); None without a prompt table."""
+        if self._px is None:
+            return None
+        p = np.asarray(prompt_tokens, dtype=float)
+        d = np.maximum(np.floor(np.asarray(decode_tokens, dtype=float)), 0.0)
+        base = np.where(d > 0, np.interp(d, self._px, self._py), self._v1)
+        return np.where(p > 0, np.maximum(np.interp(d + p, self._px, self._py) - base, 0.0), 0.0)
+
     def prompt_s(self, prompt_tokens: int, decode_tokens: int = 0) -> float:
         """Seconds ``prompt_tokens`` prompt tokens add to a step that has ``decode_tokens``
         decode and verification rows, with a prompt table (0 for none): ``P(d + p) - P(d)``."""

@@ -370,6 +370,11 @@ def test_steps_with_prompt_chunks_do_not_bend_the_learned_decode_curve(prompt_ta
         lengths = [8.0, 16.0, 32.0, 64.0, 128.0, 512.0]
         truth = ProfileCostModel(truth.profile.model_copy(update={
             "prefill_tokens": lengths, "prefill_s": [0.006 + 0.0022 * n for n in lengths]}))
+    if prompt_table:  # the array form the learned model prices chunks by is the scalar one
+        p, d = np.array([0.0, 24.0, 200.0, 200.0]), np.array([16.0, 0.0, 16.0, 5.0])
+        assert truth.prompt_s_many(p, d) == pytest.approx([truth.prompt_s(int(a), int(b)) for a, b in zip(p, d)])
+    else:
+        assert truth.prompt_s_many(200.0, 16.0) is None
     model = OnlineStepCost()
     model.seed_from(truth, max_k=8)
     rng = np.random.default_rng(0)
