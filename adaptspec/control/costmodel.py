@@ -237,7 +237,7 @@ class OnlineStepCost:
         p = np.unique(np.geomspace(8, max(max_tokens // 2, 8), 10).astype(int)).astype(float)
         for d in (1.0, 8.0, 32.0):
             base = float(model.predict(np.array([d]), 0.0, np.zeros(max_k), 0.0, none[:1], none[:1], 0.0)[0])
-            if table is not None:
+            if table is not None and self._shape is not None:
                 t = base + table(p, d)
             else:
                 t = np.asarray(model.predict(d + p, 0.0, np.zeros(max_k), 0.0, np.zeros(p.size), np.zeros(p.size),
