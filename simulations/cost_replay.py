@@ -13,6 +13,14 @@ order (every step, prompt chunks included, as the live controller sees them), se
 run's calibration as the service seeds it; then prices the gRPC path's decode steps at 16
 clients (every policy), in bins of verified tokens; and prints what four more verified tokens
 add to a step of 16 at that level's context, learned and by the profile.
+
+    python simulations/cost_replay.py --checkpoint docs/results/2026-12-05-live-goal-own/checkpoints/c16.pkl \
+        --profile docs/results/2026-12-05-live-goal-own/profile.json
+
+reads what a live controller's checkpoint (``controller.checkpoint``) learned instead: the
+weight its fit gives the profile's curve (1 where it keeps the profile's steps) and the same
+four-token rise. ``--plan-ms`` times a plan of three classes with that profile as the prior,
+after 600 steps with prompt chunks.
 """
 from __future__ import annotations
 
@@ -95,11 +103,76 @@ def replay(folder: Path, learn_policy: str = "thompson") -> dict:
             "four_more": (float(a[1] / a[0] - 1), float(b[1] / b[0] - 1))}
 
 
+def checkpoint_cost(path: Path, profile: Path, context: float = 3200.0) -> dict:
+    """{"shape_weight", "four_more": (learned, profile)} of the thompson policy a controller
+    checkpoint holds (pickled by this project's controller; read the coefficients as laid out
+    by the code that wrote it: the curve's columns first, then the context's)."""
+    import pickle
+
+    pol = pickle.loads(Path(path).read_bytes())["policies"]["thompson"]  # noqa: S301 - our own file
+    cost = pol.cost
+    v = cost.verify.coef()
+    nb = cost._basis.shape[1]
+    q = np.array([16.0, 20.0])
+    learned = np.interp(q, cost._xs, cost._basis @ v[:nb]) + v[nb] * 1e-6 * context + cost.other_s
+    prof = ProfileCostModel.load(profile)
+    truth = price(prof, q, np.full(2, context), np.zeros((2, K)), np.zeros(2), np.full(2, 16.0))
+    return {"shape_weight": float(v[nb - 1]) if cost._shape is not None else None,
+            "four_more": (float(learned[1] / learned[0] - 1), float(truth[1] / truth[0] - 1))}
+
+
+def plan_ms(profile: Path, plans: int = 30) -> float:
+    """Median milliseconds of a plan of three classes by thompson seeded with ``profile``,
+    after 600 synthetic steps of 15 requests, a third with a 24-token prompt chunk."""
+    import time
+
+    from adaptspec.control import Load
+    from adaptspec.control.base import PolicyConfig
+    from adaptspec.control.thompson import ModelBasedThompson
+    from adaptspec.control.types import Arm, GroupOutcome
+
+    pol = ModelBasedThompson(PolicyConfig(("ngram", "draft"), K, (), 0, (), 16, 2560),
+                             prior_cost=ProfileCostModel.load(profile))
+    rng = np.random.default_rng(0)
+    classes = ["chat", "code_edit", "extraction"]
+    for i in range(600):
+        groups = []
+        for c in classes:
+            hist = np.bincount(rng.integers(0, 2, 5), minlength=2)
+            groups.append(GroupOutcome(c, Arm("ngram", 1), hist, int(hist @ np.arange(2)) + 5, 5, -1))
+        p = 24 if i % 3 == 0 else 0
+        pol.observe(StepOutcome(15, p, 20 + p, 3000, 0.0, 0.06, 0.003, 0.063, groups, prefill_chunks=int(p > 0)))
+        pol.choose_many(classes, Load())
+    took = []
+    for _ in range(plans):
+        pol._planned_at = -np.inf  # the next decision plans
+        t0 = time.perf_counter()
+        pol.choose_many(classes, Load())
+        took.append(time.perf_counter() - t0)
+    return 1000 * float(np.median(took))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("folder", type=Path, help="a fidelity run's folder (profile.json, live_runs.json.gz)")
+    ap.add_argument("folder", type=Path, nargs="?", help="a fidelity run's folder (profile.json, live_runs.json.gz)")
     ap.add_argument("--learn-policy", default="thompson", help="whose live steps the model learns from")
+    ap.add_argument("--checkpoint", type=Path, help="a controller checkpoint to read instead (needs --profile)")
+    ap.add_argument("--profile", type=Path, help="the profile the checkpoint's controller was seeded with")
+    ap.add_argument("--plan-ms", action="store_true", help="also time a plan with --profile as the prior")
     args = ap.parse_args()
+    if args.checkpoint or args.plan_ms:
+        if args.profile is None:
+            raise SystemExit("error: --profile: needed with --checkpoint and --plan-ms")
+        if args.checkpoint:
+            r = checkpoint_cost(args.checkpoint, args.profile)
+            a, b = r["four_more"]
+            print(f"{args.checkpoint}: weight of the profile's curve {r['shape_weight']}; four more verified tokens "
+                  f"on a step of 16: learned +{100 * a:.1f}%, profile +{100 * b:.1f}%")
+        if args.plan_ms:
+            print(f"a plan of three classes: {plan_ms(args.profile):.2f} ms (median of 30)")
+        return
+    if args.folder is None:
+        raise SystemExit("error: folder: a fidelity run's folder (or --checkpoint / --plan-ms)")
     try:
         r = replay(args.folder, args.learn_policy)
     except (OSError, ValueError) as e:

@@ -299,16 +299,14 @@ class OnlineStepCost:
 
     def prompt_feature(self, decode_tokens, prompt_tokens):
         """The prompt chunks' column for steps of ``decode_tokens`` with ``prompt_tokens`` of chunks
-        (any shapes that broadcast): what the seeding profile charges them (its prompt table, or
-        its verify curve from the decode tokens to all the step's tokens), or, without a profile,
-        the prompt tokens (unused: see ``observe``). Its coefficient scales it to the live steps."""
+        (any shapes that broadcast), with a profile's curve kept (see ``observe``): what the
+        seeding profile charges them (its prompt table, or its verify curve from the decode
+        tokens to all the step's tokens). Its coefficient scales it to the live steps."""
         d = np.asarray(decode_tokens, dtype=float)
         p = np.asarray(prompt_tokens, dtype=float)
         if self._prompt_table is not None:
             return self._prompt_table(p, d)
-        if self._shape is not None:
-            return np.interp(d + p, *self._shape) - np.interp(d, *self._shape)
-        return p * _TOK + 0.0 * d
+        return np.interp(d + p, *self._shape) - np.interp(d, *self._shape)
 
     def chunk_s(self, verify_tokens, chunk_tokens):
         """Seconds a prompt chunk of ``chunk_tokens`` adds to a step of ``verify_tokens`` decode
