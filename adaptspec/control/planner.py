@@ -273,6 +273,8 @@ class PlanScore:
     goodput: np.ndarray  # [R] tokens per second of the batch as it is now (the closed-loop view)
     theta0: np.ndarray  # [U] row 0's sustained load along the grid
     n0: np.ndarray  # [U] row 0's requests in the system along the grid
+    budget: np.ndarray | None = None  # [R, C] step seconds each class's TPOT target allows (inf: none, or hopeless)
+    step_now: np.ndarray | None = None  # [R] seconds of a step of the batch as it is now
 
 
 GRID = np.geomspace(0.01, 1000.0, 64)  # u / (the empty step's time): loads from near idle to far past saturation
@@ -398,6 +400,13 @@ class Planner:
     # the target of a small class near the knee: issue #25)
     reserve_weight: float = 0.25
     last_capacity: float = np.inf  # capacity / demand of the last plan's choice
+    # credit of a TPOT class as its TPOT at today's load exceeds the budget (margin x target):
+    # (budget / TPOT) ** tpot_power, half where the TPOT reaches the target itself (the budget
+    # keeps margin of it, and past the target about half of the class's requests miss)
+    tpot_power: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tpot_power = float(np.log(0.5) / np.log(self.margin)) if 0 < self.margin < 1 else 8.0
 
     def plan(self, x: PlanInputs, cost, current: np.ndarray) -> np.ndarray:
         """[C] arm indices for ``x.classes`` (``current``: the plan in force, [C])."""
@@ -405,27 +414,35 @@ class Planner:
         usable = x.curves.usable
         best = np.where(usable[np.arange(C), current], current, 0)
         scale = None
-        for r in range(self.rounds):
-            rows = [best[None, :]]
-            moves = np.repeat(best[None, :], C * A, axis=0).reshape(C, A, C)
-            moves[np.arange(C), :, np.arange(C)] = np.arange(A)[None, :]
-            rows.append(moves.reshape(C * A, C))
-            if r == 0:
-                rows.append(np.repeat(np.arange(A)[:, None], C, axis=1))
-            X = np.concatenate(rows)
-            ok = usable[np.arange(C)[None, :], X].all(axis=1)
-            X = X[ok]
-            score = self.evaluate(X, x, cost)
-            if scale is None:  # row 0 is the plan in force
-                scale = self.calibration(score, x) if x.in_system > 0 and not x.backlog else 1.0
-            choice = self._pick(score, x.demand, x.backlog, scale)
-            self.last_capacity = float(score.capacity[choice]) / scale
-            if np.array_equal(X[choice], best):
-                break
-            best = X[choice]
+        # first every class's arm for the steady state; then the TPOT classes' own arms for their
+        # TPOT in the batch as it is now too (see ``_pick``)
+        phases = [(np.arange(C), False)]
+        tpot = np.flatnonzero([np.isfinite(self._tpot(c)) for c in x.classes])
+        if tpot.size:
+            phases.append((tpot, True))
+        for movers, now in phases:
+            M = len(movers)
+            for r in range(self.rounds):
+                rows = [best[None, :]]
+                moves = np.repeat(best[None, :], M * A, axis=0).reshape(M, A, C)
+                moves[np.arange(M), :, movers] = np.arange(A)[None, :]
+                rows.append(moves.reshape(M * A, C))
+                if r == 0 and not now:
+                    rows.append(np.repeat(np.arange(A)[:, None], C, axis=1))
+                X = np.concatenate(rows)
+                ok = usable[np.arange(C)[None, :], X].all(axis=1)
+                X = X[ok]
+                score = self.evaluate(X, x, cost)
+                if scale is None:  # row 0 is the plan in force
+                    scale = self.calibration(score, x) if x.in_system > 0 and not x.backlog else 1.0
+                choice = self._pick(score, x.demand, x.backlog, scale, now)
+                self.last_capacity = float(score.capacity[choice]) / scale
+                if np.array_equal(X[choice], best):
+                    break
+                best = X[choice]
         return best
 
-    def _pick(self, s: PlanScore, demand: np.ndarray, backlog: bool, scale: float = 1.0) -> int:
+    def _pick(self, s: PlanScore, demand: np.ndarray, backlog: bool, scale: float = 1.0, now: bool = False) -> int:
         """The best row; row 0 (the plan in force) wins ties.
 
         First the credit: each class's demand times the load it is served at within its TPOT
@@ -450,6 +467,18 @@ class Planner:
         # a class whose TPOT target fails at the operating load misses it for most of its
         # requests, not for the share of load above its limit: credit falls steeply
         held = np.minimum(cc / np.maximum(op, 1e-9), 1.0) ** 4
+        if now and s.budget is not None and s.step_now is not None:
+            # a TPOT class's own arm is also judged by its TPOT in a step of the batch as it is
+            # now: the steady state is where the queue goes, the batch now is what its requests
+            # get. Through a burst the steady state's TPOT holds and the present's fails, and near
+            # saturation every arm's steady-state TPOT limit sits just below the capacity, so the
+            # shortfall in load ranks arms by capacity, not by the TPOT their requests get: a
+            # longer draft, whose extra tokens outgrow its extra step time, lost to a shorter one
+            # (issue #25). Only the class's own arm: moving another class off speculation to
+            # shorten the step now is the trap the steady state is there to avoid
+            ratio = s.budget / s.step_now[:, None]  # [R, C] >= 1: within budget now
+            now_held = np.where(np.isfinite(s.budget), np.minimum(ratio, 1.0) ** self.tpot_power, 1.0)
+            held = np.minimum(held, now_held)
         credit = (w[None, :] * served * held).sum(axis=1)
         top = float(credit.max())
         near = credit >= top * (1.0 - TOLERANCE)
@@ -545,11 +574,13 @@ class Planner:
         capacity, ok = _capacity(u, T, theta, slack)
         limits = np.array([self._tpot(c) for c in x.classes])  # [C] inf: no target
         class_capacity = np.repeat(capacity[:, None], C, axis=1)
+        budget = np.full((R, C), np.inf)
         if np.isfinite(limits).any():
             # T / Lt_c <= margin * target for every class with a target
             budget = Lt * limits[None, :]  # [R, C] step seconds each class's TPOT allows
             tpot_slack = 1.0 - T[:, :, None] / budget[:, None, :]  # [R, U, C]
             hopeless = ~(tpot_slack[:, 0, :] >= 0).any(axis=0)  # [C] no row meets it even at idle
+            budget[:, hopeless] = np.inf
             for c in np.flatnonzero(np.isfinite(limits) & ~hopeless):
                 class_capacity[:, c] = _capacity(u, T, theta, np.minimum(slack, tpot_slack[:, :, c]))[0]
         # today's demand (theta = 1): interpolate u where theta crosses 1 on the feasible branch
@@ -564,7 +595,8 @@ class Planner:
         u1 = u[j] + frac * (u[i] - u[j])
         T1 = T[rows, j] + frac * (T[rows, i] - T[rows, j])
         in_system = np.where(has, u1 * per_u_req, np.inf)
-        return PlanScore(capacity, class_capacity, in_system, np.where(has, T1, np.inf), goodput, theta[0], n[0])
+        return PlanScore(capacity, class_capacity, in_system, np.where(has, T1, np.inf), goodput, theta[0], n[0],
+                         budget, T_now)
 
     def _tpot(self, request_class: str) -> float:
         t = self.targets.get(request_class)
