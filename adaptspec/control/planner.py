@@ -36,7 +36,10 @@ steps vary more in size costs more than its mean step. While requests
 wait for admission the demand seen is what was served, not what arrived, so the replica runs
 at its capacity: the credit is each class's share of it. A class whose TPOT target no
 assignment meets even alone drops out of the constraints (it misses whatever the others do).
-Capacities are read relative to the batch seen (``Planner.calibration``).
+Capacities are read relative to the batch seen (``Planner.calibration``). Then the TPOT
+classes' own arms are searched again with their TPOT in a step of the batch as it is now
+counted too (``_pick``'s ``now``): the steady state is where the queue goes, the present batch
+is what the requests decoding now get, and through a burst only the second misses the target.
 
 Assignments are searched by coordinate moves from the current plan: every class's every
 arm with the others held, plus every arm for all classes at once, for a few rounds.
@@ -418,7 +421,7 @@ class Planner:
         # TPOT in the batch as it is now too (see ``_pick``)
         phases = [(np.arange(C), False)]
         tpot = np.flatnonzero([np.isfinite(self._tpot(c)) for c in x.classes])
-        if tpot.size:
+        if tpot.size and not x.backlog:  # while requests wait for a slot, capacity is what serves them
             phases.append((tpot, True))
         for movers, now in phases:
             M = len(movers)
@@ -449,7 +452,9 @@ class Planner:
         target (today's demand, with capacity up to ``headroom`` more counted as reserve at
         ``reserve_weight`` per unit; while
         requests queue, the assignment's capacity, since the replica then runs at it), falling
-        as the fourth power of the shortfall for a class whose TPOT target fails there.
+        as the fourth power of the shortfall for a class whose TPOT target fails there; with
+        ``now``, also as (budget / TPOT) ** ``tpot_power`` where the class's TPOT in a step of
+        the batch as it is now exceeds its budget.
         Among assignments within ``TOLERANCE`` of the best credit (under light load, all that
         keep the targets), the most tokens per second from the batch as it is now: where load
         is light, demand does not depend on the arms if arrivals are open (all serve it) and
