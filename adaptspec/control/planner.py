@@ -424,6 +424,8 @@ class Planner:
         if tpot.size and not x.backlog:  # while requests wait for a slot, capacity is what serves them
             phases.append((tpot, True))
         for movers, now in phases:
+            if now and (score.budget[choice, movers] >= score.step_now[choice]).all():
+                break  # within budget now: the credit is the steady state's, whose best this is
             M = len(movers)
             for r in range(self.rounds):
                 rows = [best[None, :]]
