@@ -1,0 +1,91 @@
+"""How much one policy's goodput moves with its own random draws alone.
+
+    .venv/bin/python simulations/policy_seeds.py simulations/interactive_batch_high.yaml \
+        --policy thompson --cells 0:7,0:7.5,2:7 --draws 5 [--json out.json]
+
+A cell is (scenario seed, request rate; ``-`` for a scenario without a sweep). Every run of a
+cell sees the same requests and acceptance draws (the scenario seed's); only the policy's own
+seed differs (the first run's is the scenario seed, as in ``run_all.py``, so it reproduces the
+stored result). A thompson run of a cell near its SLOs' edge moves by a percent or two with its
+posterior draws, so a single cell near a goal's threshold says little on its own; this prints
+each cell's runs and their mean. A benchmark that prints numbers, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def parse_cells(text: str) -> list[tuple[int, float | None]]:
+    cells = []
+    for part in filter(None, text.split(",")):
+        seed, _, rate = part.partition(":")
+        try:
+            cells.append((int(seed), None if rate in ("", "-") else float(rate)))
+        except ValueError:
+            raise SystemExit(f"--cells: {part!r} is not SEED:RATE (RATE a number, or - for no sweep)") from None
+    if not cells:
+        raise SystemExit("--cells: give at least one SEED:RATE")
+    return cells
+
+
+def run_cells(sc, base: Path, label: str, cells: list[tuple[int, float | None]], draws: int,
+              progress=print) -> dict[str, list[float]]:
+    """{"seed:rate": [goodput of each draw]} for the policy ``label`` of scenario ``sc``."""
+    from adaptspec.sim import runner as R
+    from adaptspec.sim.metrics import compute_metrics
+    from adaptspec.sim.simulator import RunSetup, simulate
+
+    specs = [p for p in sc.policies if R.policy_label(p) == label]
+    if not specs:
+        raise SystemExit(f"--policy: {label!r} not in the scenario's policies {[R.policy_label(p) for p in sc.policies]}")
+    spec = specs[0]
+    truths, cost, slos = R.class_truths(sc, base), R.cost_model(sc, base), R.scenario_slos(sc)
+    out: dict[str, list[float]] = {}
+    for seed, rate in cells:
+        if rate is None and sc.sweep is not None:
+            raise SystemExit(f"--cells: the scenario sweeps {sc.sweep.rps} req/s; give a rate for seed {seed}")
+        requests = R._workload(sc, base, rate, np.random.default_rng([seed, 1]))
+        goodput = []
+        for d in range(draws):
+            run = R.build_policy(spec, sc, truths, cost, [0.0], seed if d == 0 else seed * 1000 + d)
+            setup = RunSetup(cost, truths, requests, sc.hardware.replicas, sc.hardware.router, sc.max_k,
+                             sc.duration_s, sc.drain_s, sc.timeline_bin_s, seed, tuple(sc.drafters),
+                             R.admission_for(spec, sc), pacer=R.pacer_for(spec, sc))
+            o = simulate(setup, run.policy, on_shift=R._shift_hook(run, [0.0], truths))
+            m = compute_metrics(label, rate, requests, o.recorder, [c.name for c in sc.classes], slos, sc.warmup_s,
+                                sc.duration_s, o.end_s, o.wall_s, o.steps, 0.0, 0.0)
+            goodput.append(m.goodput_rps)
+        key = f"{seed}:{'-' if rate is None else f'{rate:g}'}"
+        out[key] = goodput
+        progress(f"seed {seed} rate {'-' if rate is None else f'{rate:g}'}: "
+                 + " ".join(f"{g:.3f}" for g in goodput) + f"  mean {np.mean(goodput):.3f}  "
+                 f"spread {(max(goodput) - min(goodput)) / max(np.mean(goodput), 1e-9):.1%}")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from adaptspec.sim.scenario import load_scenario
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("scenario", type=Path)
+    ap.add_argument("--policy", default="thompson", help="the policy's label in the scenario")
+    ap.add_argument("--cells", required=True, help="SEED:RATE,... (RATE - for a scenario without a sweep)")
+    ap.add_argument("--draws", type=int, default=5, help="runs per cell, each with its own policy seed")
+    ap.add_argument("--json", type=Path, help="write {cell: [goodput, ...]} here")
+    a = ap.parse_args(argv)
+    if a.draws < 1:
+        raise SystemExit("--draws: must be >= 1")
+    sc, base = load_scenario(a.scenario)
+    out = run_cells(sc, base, a.policy, parse_cells(a.cells), a.draws, progress=lambda s: print(s, flush=True))
+    if a.json is not None:
+        a.json.write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
