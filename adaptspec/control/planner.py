@@ -403,13 +403,15 @@ class Planner:
     # the target of a small class near the knee: issue #25)
     reserve_weight: float = 0.25
     last_capacity: float = np.inf  # capacity / demand of the last plan's choice
-    # credit of a TPOT class as its TPOT at today's load exceeds the budget (margin x target):
-    # (budget / TPOT) ** tpot_power, half where the TPOT reaches the target itself (the budget
-    # keeps margin of it, and past the target about half of the class's requests miss)
-    tpot_power: float = field(init=False)
 
-    def __post_init__(self) -> None:
-        self.tpot_power = float(np.log(0.5) / np.log(self.margin)) if 0 < self.margin < 1 else 8.0
+    @property
+    def tpot_power(self) -> float:
+        """How fast a TPOT class's credit falls as its TPOT in a step of the batch now exceeds
+        its budget (margin x target): (budget / TPOT) ** p, half where the TPOT reaches the
+        target itself (about half of a class's requests miss a target its mean TPOT sits at).
+        A margin of 1 leaves no room between budget and target: the default margin's p then."""
+        m = self.margin if 0 < self.margin < 1 else 0.9
+        return float(np.log(0.5) / np.log(m))
 
     def plan(self, x: PlanInputs, cost, current: np.ndarray) -> np.ndarray:
         """[C] arm indices for ``x.classes`` (``current``: the plan in force, [C])."""
