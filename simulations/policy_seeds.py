@@ -36,30 +36,20 @@ def parse_cells(text: str) -> list[tuple[int, float | None]]:
 def run_cells(sc, base: Path, label: str, cells: list[tuple[int, float | None]], draws: int,
               progress=print) -> dict[str, list[float]]:
     """{"seed:rate": [goodput of each draw]} for the policy ``label`` of scenario ``sc``."""
-    from adaptspec.sim import runner as R
-    from adaptspec.sim.metrics import compute_metrics
-    from adaptspec.sim.simulator import RunSetup, simulate
+    from adaptspec.sim.runner import policy_label, run_scenario
 
-    specs = [p for p in sc.policies if R.policy_label(p) == label]
-    if not specs:
-        raise SystemExit(f"--policy: {label!r} not in the scenario's policies {[R.policy_label(p) for p in sc.policies]}")
-    spec = specs[0]
-    truths, cost, slos = R.class_truths(sc, base), R.cost_model(sc, base), R.scenario_slos(sc)
+    if label not in [policy_label(p) for p in sc.policies]:
+        raise SystemExit(f"--policy: {label!r} not in the scenario's policies {[policy_label(p) for p in sc.policies]}")
     out: dict[str, list[float]] = {}
     for seed, rate in cells:
         if rate is None and sc.sweep is not None:
             raise SystemExit(f"--cells: the scenario sweeps {sc.sweep.rps} req/s; give a rate for seed {seed}")
-        requests = R._workload(sc, base, rate, np.random.default_rng([seed, 1]))
-        goodput = []
-        for d in range(draws):
-            run = R.build_policy(spec, sc, truths, cost, [0.0], seed if d == 0 else seed * 1000 + d)
-            setup = RunSetup(cost, truths, requests, sc.hardware.replicas, sc.hardware.router, sc.max_k,
-                             sc.duration_s, sc.drain_s, sc.timeline_bin_s, seed, tuple(sc.drafters),
-                             R.admission_for(spec, sc), pacer=R.pacer_for(spec, sc))
-            o = simulate(setup, run.policy, on_shift=R._shift_hook(run, [0.0], truths))
-            m = compute_metrics(label, rate, requests, o.recorder, [c.name for c in sc.classes], slos, sc.warmup_s,
-                                sc.duration_s, o.end_s, o.wall_s, o.steps, 0.0, 0.0)
-            goodput.append(m.goodput_rps)
+        if rate is not None and sc.sweep is None:
+            raise SystemExit(f"--cells: the scenario has no sweep; give - as the rate for seed {seed}")
+        one = sc if rate is None else sc.model_copy(update={"sweep": sc.sweep.model_copy(update={"rps": [rate]})})
+        goodput = [run_scenario(one, base, only=[label], seed=seed,
+                                policy_seed=seed if d == 0 else seed * 1000 + d).runs[0].goodput_rps
+                   for d in range(draws)]
         key = f"{seed}:{'-' if rate is None else f'{rate:g}'}"
         out[key] = goodput
         progress(f"seed {seed} rate {'-' if rate is None else f'{rate:g}'}: "

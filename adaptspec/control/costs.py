@@ -190,7 +190,10 @@ class ProfileCostModel:
         return np.where(batch > 0, t, 0.0)
 
     def prompt_s_many(self, prompt_tokens, decode_tokens) -> np.ndarray | None:
-        """``prompt_s`` over arrays (any shapes that broadcast); None without a prompt table."""
+        """``prompt_s`` over arrays (any shapes that broadcast); None without a prompt table. The
+        planner prices a grid of chunks at once; the simulator's step keeps the scalar ``prompt_s``
+        (plain floats, a few microseconds less per simulated step). The two agree:
+        tests/unit/test_control_basics.py."""
         if self._px is None:
             return None
         p = np.asarray(prompt_tokens, dtype=float)

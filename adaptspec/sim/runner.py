@@ -264,7 +264,10 @@ def _workload(sc: Scenario, base: Path, rate: float | None, rng: np.random.Gener
 
 
 def run_scenario(sc: Scenario, base: Path | None, *, only: list[str] | None = None, seed: int | None = None,
-                 progress: Callable[[str, float], None] | None = None) -> ScenarioResult:
+                 progress: Callable[[str, float], None] | None = None,
+                 policy_seed: int | None = None) -> ScenarioResult:
+    """``policy_seed``: the policies' own random draws (default: ``seed``, which also sets the
+    requests and acceptance draws; ``simulations/policy_seeds.py`` varies it alone)."""
     seed = sc.seed if seed is None else seed
     base = Path(".") if base is None else base
     truths = class_truths(sc, base)
@@ -288,7 +291,7 @@ def run_scenario(sc: Scenario, base: Path | None, *, only: list[str] | None = No
         for spec in specs:
             label = policy_label(spec)
             clock = [0.0]
-            run = build_policy(spec, sc, truths, cost, clock, seed)
+            run = build_policy(spec, sc, truths, cost, clock, seed if policy_seed is None else policy_seed)
             result.policy_notes[label] = run.policy.describe_targets()
             setup = RunSetup(cost, truths, requests, sc.hardware.replicas, sc.hardware.router, sc.max_k,
                              sc.duration_s, sc.drain_s, sc.timeline_bin_s, seed, tuple(sc.drafters),
