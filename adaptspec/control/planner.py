@@ -265,6 +265,9 @@ class PlanInputs:
     prefill_per_step: float = 0.0  # prompt tokens a step carries, as seen
     chunk_rate: float = 0.0  # prompt chunks per second inside steps (0: prompt tokens spread evenly)
     chunk_tokens: float = 0.0  # mean tokens of a chunk
+    # the calibration to use instead of one read from the batch seen (``Planner.calibration``):
+    # the policy passes the last one read while the batch seen is still the previous plan's
+    scale: float | None = None
 
 
 @dataclass(slots=True)
@@ -403,6 +406,7 @@ class Planner:
     # the target of a small class near the knee: issue #25)
     reserve_weight: float = 0.25
     last_capacity: float = np.inf  # capacity / demand of the last plan's choice
+    last_scale: float = 1.0  # the last calibration read from the batch seen
 
     @property
     def tpot_power(self) -> float:
@@ -441,7 +445,14 @@ class Planner:
                 X = X[ok]
                 score = self.evaluate(X, x, cost)
                 if scale is None:  # row 0 is the plan in force
-                    scale = self.calibration(score, x) if x.in_system > 0 and not x.backlog else 1.0
+                    if x.backlog:
+                        scale = 1.0
+                    elif x.scale is not None:
+                        scale = x.scale
+                    elif x.in_system > 0:
+                        scale = self.last_scale = self.calibration(score, x)
+                    else:
+                        scale = 1.0
                 choice = self._pick(score, x.demand, x.backlog, scale, now)
                 self.last_capacity = float(score.capacity[choice]) / scale
                 if np.array_equal(X[choice], best):
@@ -502,7 +513,12 @@ class Planner:
         curve of slope 0.8 per unit load turns a 10% error in demand into 40% in the batch),
         and a demand measured over seconds of Poisson arrivals is that noisy; the batch seen is
         what the present load really does. (Scaling the demand by t scales every step's
-        composition at u as at t u, so every capacity by 1 / t: no new evaluation is needed.)"""
+        composition at u as at t u, so every capacity by 1 / t: no new evaluation is needed.)
+        The batch seen must be the plan in force's: for a while after a change it is still the
+        previous plan's, and read against the new one it gives a scale that favours going back
+        (plans flipped between two assignments at every other plan near a TPOT class's limit,
+        issue #25); ``PlanningPolicy`` passes the last scale read (``PlanInputs.scale``) until
+        the plan has held for the picture's half-life."""
         theta, n = s.theta0, s.n0
         target = x.in_system
         if not (n[0] < target < n[-1]):

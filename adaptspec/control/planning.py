@@ -44,6 +44,7 @@ class PlanningPolicy(Policy):
         self._busy_s = 0.0  # seconds of observed steps
         self._steps_seen = 0  # observed steps
         self._planned_at = -np.inf
+        self._changed_at = -np.inf  # busy seconds when the plan last changed (see ``Planner.calibration``)
         self._backlog = False
         self._drafters = [d for d in self.config.drafters if d != "none"]
         self._tbins = self.table.threshold_bins
@@ -108,13 +109,19 @@ class PlanningPolicy(Policy):
                        self.picture.prefill_share, self.picture.context_per_request, backlog,
                        self.picture.in_system if all(c in self.plan for c in classes) else 0.0,
                        np.array([self.picture.batch(c) for c in classes]), self.picture.prefill_per_step,
-                       self.picture.chunk_rate, self.picture.chunk_tokens)
+                       self.picture.chunk_rate, self.picture.chunk_tokens,
+                       # the batch seen is the plan in force's once it has held for the picture's
+                       # half-life; until then capacities keep the last calibration
+                       None if self._busy_s - self._changed_at >= self.picture.half_life_s
+                       else self.planner.last_scale)
         current = np.array([self.table.index(self.plan.get(c, self.picture.classes[c].arm
                                                            if c in self.picture.classes else self.table.arms[0]))
                             for c in classes])
         cost = self._cost()
         idx = self.planner.plan(x, cost, current)
         self.capacity = self.planner.last_capacity
+        if any(self.plan.get(c) != self.table.arms[i] for c, i in zip(classes, idx)):
+            self._changed_at = self._busy_s
         self.plan.update((c, self.table.arms[i]) for c, i in zip(classes, idx))
         # what each class's new arm should emit per request-step, by the draw the plan was made with
         for j, (c, i) in enumerate(zip(classes, idx)):

@@ -171,6 +171,55 @@ def test_calibration_reads_capacity_relative_to_the_batch_seen():
         assert n_at == pytest.approx(seen, rel=0.05)
 
 
+def test_a_scale_given_replaces_the_one_read_from_the_batch_seen():
+    # x.scale (the policy's, while the batch seen is still the previous plan's) is used as is,
+    # and only a scale read from the batch seen becomes the planner's last one
+    table = ArmTable.build(("draft",), 2)
+    cost = Linear(0.01, 1e-4)
+    planner = Planner(table, {})
+    x = PlanInputs(["c"], _curves(table, [0.5]), np.array([5000.0]), 0.0, 0.0, 0.0, False, 45.0)
+    planner.plan(x, cost, np.array([0]))
+    read, cap = planner.last_scale, planner.last_capacity
+    assert abs(read - 1.0) > 0.1  # the batch seen is not the one the model keeps at the demand given
+    x.scale = 1.0
+    planner.plan(x, cost, np.array([0]))
+    assert planner.last_scale == read
+    assert planner.last_capacity == pytest.approx(cap * read, rel=1e-6)
+
+
+def _feed(pol: ModelBasedThompson, steps: int, wall_s: float = 0.1) -> None:
+    for _ in range(steps):
+        a = pol.choose("x", Load(8))
+        hist = np.zeros(a.k + 1, dtype=np.int64)
+        hist[a.k] = 8
+        pol.observe(StepOutcome(8, 0, 8 * (a.k + 1), 8000, 0.0, wall_s, 0.0, wall_s,
+                                [GroupOutcome("x", a, hist, 8 * (a.k + 1))]))
+
+
+def test_after_a_plan_change_capacities_keep_the_last_calibration_for_the_pictures_half_life(monkeypatch):
+    """The batch seen is built by the plan that ran; read against another plan it gives a
+    scale that favours going back (plans flipped at every other plan near a TPOT limit)."""
+    pol = ModelBasedThompson(PolicyConfig(("draft",), 4, (), seed=0),
+                             ThompsonConfig(explore=0.0, replan_s=1e9, replan_steps=10**6))
+    seen: list = []
+    plan = Planner.plan
+
+    def spy(self, x, cost, current):
+        seen.append(x.scale)
+        return plan(self, x, cost, current)
+
+    monkeypatch.setattr(Planner, "plan", spy)
+    _feed(pol, 100)  # 10 s of steps under the first plan: settled
+    pol._replan(["x"], False)
+    assert seen[-1] is None  # read from the batch seen
+    pol._changed_at = pol._busy_s  # as a replan that changed the plan records
+    pol._replan(["x"], False)
+    assert seen[-1] == pol.planner.last_scale
+    _feed(pol, int(pol.picture.half_life_s / 0.1) + 1)
+    pol._replan(["x"], False)
+    assert seen[-1] is None
+
+
 def _old_objective(table, L, n, prefill, ctx, cost, budget_s):
     """The planner before, for the batch class with the interactive class on draft:2: the arm
     with the best goodput of the batch as it is now among those keeping the step within the
