@@ -21,9 +21,9 @@ def test_the_first_draw_reproduces_the_scenario_run_and_the_others_differ_only_i
     sc, base = load_scenario(ROOT / "simulations/interactive_batch_high.yaml")
     one = sc.model_copy(update={"sweep": sc.sweep.model_copy(update={"rps": [7.0]}),
                                   "policies": [p for p in sc.policies if p.kind == "thompson" and p.label is None]})
-    stored = run_scenario(one, base, seed=1).runs[0].goodput_rps
-    stored_tokens = next(c.tpot_token_attainment for c in run_scenario(one, base, seed=1).runs[0].classes
-                         if c.name == "interactive")
+    run = run_scenario(one, base, seed=1).runs[0]
+    stored = run.goodput_rps
+    stored_tokens = next(c.tpot_token_attainment for c in run.classes if c.name == "interactive")
     seen, shares = [], {}
     out = _mod().run_cells(one, base, "thompson", [(1, 7.0)], 3, progress=seen.append,
                            tpot_class="interactive", tpot_tokens=shares)
