@@ -218,23 +218,30 @@ def overload_goal() -> tuple[list[str], bool]:
     return out, ok_all
 
 
+# the live loadtest mirrored: on the guest of 2026-12-02, and on the AVX2 guest of 2026-12-05 with its
+# steps priced off the calibration as they ran through Ray Serve
+MIRRORS = ("cpu_live_mirror", "cpu_live_avx2_mirror")
+
+
 def mirror_goal() -> tuple[list[str], bool]:
-    """The live loadtest's goal on its simulated mirror: adaptive / best static >= 0.95 per level."""
-    out = ["| seed | clients | thompson out tok/s | best static | thompson / best static | oracle-planner / best static |",
-           "|---|---|---|---|---|---|"]
+    """The live loadtest's goal on its simulated mirrors: adaptive / best static >= 0.95 per level."""
+    out = ["| scenario | seed | clients | thompson out tok/s | best static | thompson / best static | "
+           "oracle-planner / best static |", "|---|---|---|---|---|---|---|"]
     ok_all = True
-    for seed, d in results("cpu_live_mirror"):
-        lv: dict = {}
-        for r in d["runs"]:
-            lv.setdefault(r["clients"], {})[r["policy"]] = r
-        for clients, runs in sorted(lv.items()):
-            best = max((r["output_token_throughput"], p) for p, r in runs.items() if is_static(p))
-            t = runs["thompson"]["output_token_throughput"]
-            o = runs["oracle-planner"]["output_token_throughput"]
-            ok = t >= 0.95 * best[0]
-            ok_all &= ok
-            out.append(f"| {seed} | {clients} | {t:.1f} | {best[1]} {best[0]:.1f} | {t / best[0]:.3f} | "
-                       f"{o / best[0]:.3f} |")
+    for name in MIRRORS:
+        for seed, d in results(name):
+            lv: dict = {}
+            for r in d["runs"]:
+                lv.setdefault(r["clients"], {})[r["policy"]] = r
+            for clients, runs in sorted(lv.items()):
+                best = max((r["output_token_throughput"], p) for p, r in runs.items() if is_static(p))
+                t = runs["thompson"]["output_token_throughput"]
+                o = runs["oracle-planner"]["output_token_throughput"]
+                ok = t >= 0.95 * best[0]
+                ok_all &= ok
+                mark = "" if ok else " **<0.95**"
+                out.append(f"| {name} | {seed} | {clients} | {t:.1f} | {best[1]} {best[0]:.1f} | {t / best[0]:.3f}{mark} | "
+                           f"{o / best[0]:.3f} |")
     return out, ok_all
 
 

@@ -120,6 +120,8 @@ def cost_model(sc: Scenario, base: Path) -> ProfileCostModel:
     update = {k: getattr(hw, k) for k in ("max_num_seqs", "max_batched_tokens") if getattr(hw, k) is not None}
     if update:
         model = ProfileCostModel(model.profile.model_copy(update=update))
+    if hw.off_profile is not None:
+        model = ProfileCostModel(model.profile, scale=hw.off_profile.scale, drafted_scale=hw.off_profile.drafted_scale)
     return model
 
 
@@ -196,7 +198,7 @@ def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost:
             fade_min_steps=spec.fade_min_steps, headroom=spec.headroom,
             replan_s=spec.replan_s, replan_steps=spec.replan_steps, demand_half_life_s=spec.demand_half_life_s,
             explore=spec.explore),
-            prior_cost=cost if spec.seed_cost_from_profile else None)
+            prior_cost=cost.prior() if spec.seed_cost_from_profile else None)
     elif isinstance(spec, UCBSpec):
         p = DiscountedUCB(cfg, UCBConfig(spec.mode, spec.discount, spec.window, spec.exploration))
     elif isinstance(spec, StaticSpec):

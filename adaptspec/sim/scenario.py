@@ -235,6 +235,12 @@ class SweepSpec(_Strict):
 
 
 # ---- hardware and policies -----------------------------------------------------------
+class OffProfileSpec(_Strict):
+    scale: float = Field(1.0, gt=0, description="every step's draft and verify time x this")
+    drafted_scale: float = Field(1.0, gt=0, description="the share of a verify pass its drafted tokens add x this "
+                                                        "instead")
+
+
 class HardwareSpec(_Strict):
     profile: str | None = Field(None, description="built-in profile name (see adaptspec.control.gpu_profiles)")
     profile_file: str | None = Field(None, description="profile JSON (relative to the scenario)")
@@ -242,6 +248,9 @@ class HardwareSpec(_Strict):
     router: Literal["round_robin", "least_loaded", "random"] = Field("least_loaded", description="routing rule")
     max_num_seqs: int | None = Field(None, gt=0, description="override the profile's running-request limit")
     max_batched_tokens: int | None = Field(None, gt=0, description="override the profile's step token budget")
+    off_profile: OffProfileSpec | None = Field(
+        None, description="price the simulated steps off the profile, as a live path can run off its calibration "
+                          "(the oracle knows it; a policy seeded from the profile does not); null: the profile")
 
     @model_validator(mode="after")
     def _one(self) -> "HardwareSpec":

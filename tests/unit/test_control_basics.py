@@ -395,3 +395,72 @@ def test_steps_with_prompt_chunks_do_not_bend_the_learned_decode_curve(prompt_ta
     truth_chunk = truth.step(216, ctx, np.zeros(8), 0, ctx / 16, prompt_tokens=200).verify_s - truth.step(
         16, ctx, np.zeros(8), 0, ctx / 16).verify_s
     assert float(model.chunk_s(np.array([16.0]), 200.0)[0]) == pytest.approx(truth_chunk, rel=0.05)
+
+
+def _linear_profile():
+    from adaptspec.control.costs import ProfileCostModel, ProfileFile
+
+    # a step's cost grows with every verified token (the AVX2 guest's shape): 30 ms + 10 ms a token
+    tokens = [1.0, 2.0, 4.0, 8.0, 16.0, 64.0]
+    return ProfileCostModel(ProfileFile(name="linear", verify_tokens=tokens, verify_s=[0.02 + 0.01 * t for t in tokens],
+                                        draft_batch=[1.0, 16.0], draft_s=[0.004, 0.012]))
+
+
+def test_off_profile_truth_charges_plain_and_drafted_tokens_apart_and_is_the_profile_at_one():
+    """``hardware.off_profile``: a plain step (one row a request) costs ``scale`` x the profile; the
+    tokens a draft adds cost ``drafted_scale`` x theirs. The step of the simulator and the planner's
+    forms (step_time, predict: the requests from the context) give one price. At 1, 1 every price is
+    the profile's, bit for bit (stored simulations reproduce)."""
+    from adaptspec.control.costs import ProfileCostModel
+
+    prof = _linear_profile()
+    off = ProfileCostModel(prof.profile, scale=1.1, drafted_scale=1.5)
+    same = ProfileCostModel(prof.profile, scale=1.0, drafted_scale=1.0)
+    db = np.zeros(8)
+    db[:2] = 4.0  # four requests drafting two positions with the draft model
+    for p, q in ((same, prof),):
+        for args in ((4, 1000.0, np.zeros(8), 0, 250.0), (12, 1000.0, db, 0, 250.0)):
+            assert p.step(*args, requests=4) == q.step(*args, requests=4)
+    plain, spec = prof.step(4, 1000.0, np.zeros(8), 0, 250.0, requests=4), prof.step(12, 1000.0, db, 0, 250.0,
+                                                                                       requests=4)
+    assert off.step(4, 1000.0, np.zeros(8), 0, 250.0, requests=4).verify_s == pytest.approx(1.1 * plain.verify_s)
+    drafted = float(prof.verify_s(12, 0.0) - prof.verify_s(4, 0.0))  # 8 drafted tokens: 80 ms on the profile
+    got = off.step(12, 1000.0, db, 0, 250.0, requests=4)
+    assert got.verify_s == pytest.approx(1.1 * spec.verify_s + 0.4 * drafted)
+    assert got.draft_s == pytest.approx(1.1 * spec.draft_s)
+    # the planner's forms agree with the step (4 requests: context 1000 at 250 a request)
+    st = off.step_time(np.array([12.0]), np.array([1000.0]), db[None, :], np.zeros(1), 250.0)[0]
+    assert st == pytest.approx(got.draft_s + got.verify_s + prof.profile.step_overhead_s)
+    pr = off.predict(np.array([4.0, 12.0]), 1000.0, np.zeros(8), 4.0, np.array([0, 2]), np.zeros(2), 250.0)
+    assert pr[1] == pytest.approx(st)
+    assert pr[0] == pytest.approx(off.step_time(np.array([4.0]), np.array([1000.0]), np.zeros((1, 8)), np.zeros(1),
+                                                 250.0)[0])
+    assert pr[1] - pr[0] > prof.predict(np.array([4.0, 12.0]), 1000.0, np.zeros(8), 4.0, np.array([0, 2]),
+                                        np.zeros(2), 250.0) @ np.array([-1.0, 1.0]) * 1.1  # drafting dearer still
+    # what a policy seeded from the calibration knows: the profile itself
+    assert off.prior().step(12, 1000.0, db, 0, 250.0, requests=4) == spec
+    assert prof.prior() is prof
+    with pytest.raises(ValueError, match="drafted_scale"):
+        ProfileCostModel(prof.profile, drafted_scale=0.0)
+
+
+def test_a_scenario_off_its_profile_prices_its_truth_off_it_and_seeds_thompson_with_the_profile(tmp_path):
+    from adaptspec.sim.runner import cost_model
+    from adaptspec.sim.scenario import parse_scenario
+
+    prof = _linear_profile()
+    prof.save(tmp_path / "p.json")
+    data = {"name": "off", "duration_s": 10, "hardware": {"profile_file": "p.json",
+                                                         "off_profile": {"scale": 1.2, "drafted_scale": 1.6}},
+            "classes": [{"name": "a", "prompt_tokens": {"dist": "fixed", "value": 64},
+                         "output_tokens": {"dist": "fixed", "value": 64},
+                         "acceptance": {"draft": {"bernoulli": 0.5}}}], "drafters": ["draft"],
+            "workload": {"arrival": {"process": "poisson"}, "rate": {"kind": "constant", "rps": 1.0}},
+            "policies": [{"kind": "thompson", "seed_cost_from_profile": True}]}
+    sc = parse_scenario(data)
+    cost = cost_model(sc, tmp_path)
+    assert (cost.scale, cost.drafted_scale) == (1.2, 1.6)
+    assert cost.prior().scale == 1.0 and cost.prior().profile == prof.profile
+    bad = dict(data, hardware={"profile_file": "p.json", "off_profile": {"scale": -1}})
+    with pytest.raises(ValueError, match="off_profile"):
+        parse_scenario(bad)
