@@ -201,22 +201,10 @@ class OnlineStepCost:
         self.verify = _DiscountedRidge(dv, self.discount, self.prior_weight, np.zeros(dv))
         self.draft = _DiscountedRidge(4, self.discount, self.prior_weight, np.zeros(4))
 
-    def seed_from(self, model: StepCostModel, *, max_tokens: int = 4096, max_k: int = 8, weight: float = 1e-5,
+    def seed_from(self, model: StepCostModel, *, max_tokens: int = 4096, max_k: int = 8, weight: float = 0.05,
                   keep_shape: bool = True) -> None:
         """Seed the prior with pseudo-steps predicted by ``model`` (e.g. a profile);
-        ``keep_shape``: its verify curve also becomes a column of the fit (see below).
-
-        ``weight`` per pseudo-step: small, so the prior decides only what the steps seen do not.
-        The pseudo-steps span 1 to ``max_tokens`` tokens, far from a replica's steps, and with
-        0.05 their leverage held the curve's slope where the steps were: on a CPU whose live path
-        ran off its calibration by composition (plain steps 7-23% over it, steps with a drafted
-        token a request 22-29%), the fit priced plain steps above and drafted tokens below what they
-        cost, and speculation lost 4-12% at break-even (docs/results/2026-12-05-live-goal-avx2.md;
-        simulations/cpu_live_avx2_mirror.yaml)."""
-        if self.steps == 0:  # the ridges' own pull toward 0 stays far below the seeds' weight
-            self.prior_weight = min(self.prior_weight, 1e-4 * weight)
-            self.verify = _DiscountedRidge(self.verify.dim, self.discount, self.prior_weight, np.zeros(self.verify.dim))
-            self.draft = _DiscountedRidge(4, self.discount, self.prior_weight, np.zeros(4))
+        ``keep_shape``: its verify curve also becomes a column of the fit (see below)."""
         n = np.unique(np.geomspace(1, max_tokens, 24).astype(int)).astype(float)
         none = np.zeros(n.size)
         # the profile's fixed per-step overhead is the "other" part here, learned on its own:
