@@ -150,9 +150,8 @@ class ProfileCostModel:
     profile: ProfileFile
     # The truth priced off the profile (a scenario's ``hardware.off_profile``): the draft and verify
     # time of every step x ``scale``, and the share of the verify pass its drafted tokens add x
-    # ``drafted_scale`` instead. A live path can differ from its calibration by composition: through
-    # Ray Serve on a 2-core guest, with the proxy and the clients beside the engine, steps with a
-    # drafted token per request ran 22-29% over the profile and plain ones 7-23%. 1, 1: the profile.
+    # ``drafted_scale`` instead: a live path can run off its calibration by composition, which a
+    # controller seeded from the calibration must learn (docs/simulator.md). 1, 1: the profile.
     scale: float = 1.0
     drafted_scale: float = 1.0
     _vx: np.ndarray = field(init=False)
@@ -244,14 +243,13 @@ class ProfileCostModel:
         p = self.profile
         d = float(self.draft_forward_s(draft_batch, mean_context).sum()) + p.ngram_s_per_request * ngram_requests
         other = p.step_overhead_s + p.step_overhead_s_per_request * max(int(requests), 0)
+        decode = max(verify_tokens - max(prompt_tokens, 0), 0)
         if self._px is None or prompt_tokens <= 0:
             v = float(self.verify_s(verify_tokens, context_tokens))
         else:
-            decode = max(verify_tokens - prompt_tokens, 0)
             v = float(self.verify_s(max(decode, 1), context_tokens)) + self.prompt_s(prompt_tokens, decode)
-        if self._off:
-            decode = max(verify_tokens - max(prompt_tokens, 0), 0)
-            v = float(self._off_verify(v, decode, requests)) if decode else v * self.scale
+        if self._off:  # no decode rows: nothing drafted, _off_verify is v x scale
+            v = float(self._off_verify(v, decode, requests))
             d *= self.scale
         return StepTime(d, v, other)
 
