@@ -198,8 +198,22 @@ def test_bad_policy_update_is_invalid_argument(service):
         assert re.search(rf"\b{field}\b", err.value.details()), err.value.details()
 
 
-def _long(client: Client, **kw):
-    return client.stream(prompt_token_ids=[1, 2, 3], max_tokens=400, ignore_eos=True, timeout=120, **kw)
+def _long(client: Client):
+    # plain decoding: 400 engine steps whatever the controller has learned by now (with the
+    # n-gram drafter on a repetitive tiny model, 400 tokens can take a few dozen steps)
+    return client.stream(prompt_token_ids=[1, 2, 3], max_tokens=400, ignore_eos=True, speculation=("none", 0),
+                         timeout=120)
+
+
+def _still_running(streams: list, ended: list) -> list:
+    """The streams not done; the (code, details) of each that is goes into ``ended``."""
+    live = []
+    for s in streams:
+        if s.done():
+            ended.append((s.code(), s.details()))
+        else:
+            live.append(s)
+    return live
 
 
 def test_full_queue_is_resource_exhausted_and_cancel_frees_slots(service):
@@ -207,24 +221,33 @@ def test_full_queue_is_resource_exhausted_and_cancel_frees_slots(service):
     _wait_for(lambda: _idle(client), "an idle replica")
     # Serve sends a replica no more calls than its engine holds (max_ongoing_requests =
     # max_num_seqs + max_queued) and the proxy then holds up to max_queued_requests (default
-    # max_queued) before refusing: fill both with streams (400 tokens: the config's limit, a
-    # second or two here), then probe with a deadline long enough that a probe never leaves a
+    # max_queued) before refusing. Send more streams than both hold (the surplus is refused
+    # itself), then probe with a unary call whose deadline is long enough that it never leaves a
     # place it took (one that times out client-side can, and open a place for the next). A probe
     # that is served found a place open (a stream had ended): top the streams up and try again.
+    capacity = MAX_NUM_SEQS + 2 * MAX_QUEUED
     streams: list = []
+    ended: list = []  # (code, details) of the streams that ended, refused ones included
     refused = None
     try:
         for _ in range(20):
-            streams = [s for s in streams if not s.done()]
-            streams += [_long(client) for _ in range(MAX_NUM_SEQS + 2 * MAX_QUEUED - len(streams))]
+            streams = _still_running(streams, ended)
+            refused = next((d for c, d in ended if c == grpc.StatusCode.RESOURCE_EXHAUSTED), None)
+            if refused is not None:
+                break
+            streams += [_long(client) for _ in range(capacity + 2 - len(streams))]
             time.sleep(0.2)  # they reach the replica and the proxy's queue
             try:
                 client.generate(prompt_token_ids=[1, 2], max_tokens=4, timeout=30)
             except grpc.RpcError as e:
                 assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, (e.code(), e.details())
-                refused = e
+                refused = e.details()
                 break
-        assert refused is not None, "never RESOURCE_EXHAUSTED with the replica and the proxy's queue full"
+        streams = _still_running(streams, ended)
+        odd = [(c, d) for c, d in ended if c not in (grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED)]
+        assert not odd, f"streams ended with another status: {odd}"
+        assert refused is not None, (f"never RESOURCE_EXHAUSTED with the replica and the proxy's queue full; "
+                                     f"{len(ended)} streams ended first, all OK")
     finally:
         for s in streams:
             s.cancel()
