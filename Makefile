@@ -32,9 +32,10 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/adaptspec demo
 
+# --durations: the slowest tests in every run, so a suite creeping past its 15 minutes on 2 cores shows where
 test: $(TEST_STAMP)
 	$(VENV)/bin/adaptspec models pull smollm2-135m
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 bench: $(STAMP)
 	$(VENV)/bin/adaptspec bench
