@@ -114,7 +114,9 @@ def checkpoint_cost(path: Path, profile: Path, context: float = 3200.0) -> dict:
     v = cost.verify.coef()
     nb = cost._basis.shape[1]
     q = np.array([16.0, 20.0])
-    learned = np.interp(q, cost._xs, cost._basis @ v[:nb]) + v[nb] * 1e-6 * context + cost.other_s
+    # the fit's curve and its context term (the prompt column is last, the context's before it);
+    # plain steps: a drafted tokens' column adds nothing, and the local correction is left out
+    learned = np.interp(q, cost._xs, cost._basis @ v[:nb]) + v[-2] * 1e-6 * context + cost.other_s
     prof = ProfileCostModel.load(profile)
     truth = price(prof, q, np.full(2, context), np.zeros((2, K)), np.zeros(2), np.full(2, 16.0))
     return {"shape_weight": float(v[nb - 1]) if cost._shape is not None else None,

@@ -20,6 +20,10 @@ from adaptspec.control.types import StepOutcome
 # tokens 25% too high, so the policy never tried n-gram lookup at 4 clients, where it paid
 VERIFY_KNOTS = (8.0, 16.0, 32.0, 64.0, 256.0, 1024.0, 4096.0)
 _TOK = 1e-3  # feature scaling: thousands of tokens
+# With a profile's curve kept, the prior's weight on each verify coefficient in steps' worth at
+# the column's typical size (OnlineStepCost._shape_prior): the constant firmest, so that where
+# live steps sit at one token count their level moves the curve's scale, not its offset
+SHAPE_PRIOR_STEPS = {"constant": 100.0, "curve": 5.0, "drafted": 10.0, "context": 20.0, "prompt": 20.0}
 _CTX = 1e-6  # millions of context tokens
 
 
@@ -70,16 +74,22 @@ def draft_batch(draft_other: np.ndarray, n_class: float, k_draft: np.ndarray) ->
 
 
 def verify_features(verify_tokens: np.ndarray, context_tokens: float,
-                    shape: tuple[np.ndarray, np.ndarray] | None = None, prompt: float = 0.0) -> np.ndarray:
-    """[A] decode and verification tokens -> [A, 2 + len(VERIFY_KNOTS) (+ 1 with ``shape``) + 2]
-    design matrix: the curve's columns, then the context's and the prompt chunks' (``prompt``:
-    their feature, ``OnlineStepCost.prompt_feature``). ``shape``: a prior's verify curve (tokens,
-    seconds), one more column, its value."""
+                    shape: tuple[np.ndarray, np.ndarray] | None = None, prompt: float = 0.0,
+                    drafted: float | np.ndarray | None = None) -> np.ndarray:
+    """[A] decode and verification tokens -> design matrix [A, 2 + len(VERIFY_KNOTS) + 2] without
+    ``shape``: the curve's columns (a constant, the tokens, the hinges), then the context's and the
+    prompt chunks' (``prompt``: their feature, ``OnlineStepCost.prompt_feature``). With ``shape``, a
+    prior's verify curve (tokens, seconds), the curve is a constant and that curve's value, and
+    ``drafted`` (what that curve charges a step's drafted rows: ``OnlineStepCost``'s composition
+    column), where given, comes before the context's: [A, 2 (+ 1) + 2]."""
     n = np.asarray(verify_tokens, dtype=float)
-    cols = [np.ones_like(n), n * _TOK]
-    cols += [np.maximum(n - kt, 0.0) * _TOK for kt in VERIFY_KNOTS]
-    if shape is not None:
-        cols.append(np.interp(n, *shape))
+    if shape is None:
+        cols = [np.ones_like(n), n * _TOK]
+        cols += [np.maximum(n - kt, 0.0) * _TOK for kt in VERIFY_KNOTS]
+    else:
+        cols = [np.ones_like(n), np.interp(n, *shape)]
+        if drafted is not None:
+            cols.append(np.broadcast_to(np.asarray(drafted, dtype=float), n.shape))
     cols.append(np.full_like(n, context_tokens * _CTX))
     cols.append(np.full_like(n, prompt))
     return np.stack(cols, axis=-1)
@@ -123,6 +133,12 @@ class _DiscountedRidge:
         self._keep_A = (1 - self.discount) * self._A0
         self._keep_b = (1 - self.discount) * self._b0
 
+    def set_prior(self, precision: np.ndarray, theta0: np.ndarray) -> None:
+        """A prior of independent coefficients instead: ``theta0`` with these precisions."""
+        self._A0 = np.diag(np.asarray(precision, dtype=float))
+        self._b0 = self._A0 @ np.asarray(theta0, dtype=float)
+        self._reset()
+
     def seed(self, X: np.ndarray, y: np.ndarray, weight: float) -> None:
         """Add pseudo-observations (from a profile) to the prior. Calls accumulate: seeding
         the same curve at three contexts fits all three together (each call used to become the
@@ -160,10 +176,12 @@ _BASIS = verify_features(_XS, 0.0)[:, :-2]  # the verify curve at its knots, per
 class OnlineStepCost:
     """Step cost learned online from observed steps; no offline profile required.
 
-    verify_s ~ piecewise-linear(tokens) [+ a * the prior's verify curve] + c * context_tokens
-               [+ p * the prior's price of the step's prompt chunks];
-    with a prior's curve (``seed_from``) the curve is over the decode and verification tokens and
-    the chunks have their own term (``prompt_feature``, ``chunk_s``); without one, over all tokens;
+    verify_s ~ piecewise-linear(tokens) + c * context_tokens without a prior's curve (over all of a
+    step's tokens); with one (``seed_from``), over the decode and verification tokens:
+    verify_s ~ a + b * the prior's curve + g * the prior's price of the step's drafted rows (those
+    beyond one a request) + c * context_tokens + p * the prior's price of its prompt chunks
+    (``prompt_feature``, ``chunk_s``), times a local correction at the token counts steps visit
+    (``_local_fit``);
     draft_s ~ d0 * forwards + d1 * drafted tokens + d2 * drafted tokens * context + g * n-gram requests;
     other_s ~ discounted mean. Optionally seeded from a profile (``seed_from``).
 
@@ -174,6 +192,9 @@ class OnlineStepCost:
 
     discount: float = 0.998
     prior_weight: float = 1e-6
+    # with a profile's curve: a column for the tokens beyond one a decoding request (see observe);
+    # False: the curve alone prices them
+    composition: bool = True
     verify: _DiscountedRidge = field(init=False)
     draft: _DiscountedRidge = field(init=False)
     other_s: float = field(init=False, default=0.0)
@@ -193,18 +214,35 @@ class OnlineStepCost:
     prompt_coef: float = field(init=False, default=0.0)
     _prompt_table: object = field(init=False, default=None)
     _dl: list = field(init=False, default=None)
+    # The local correction, with a profile's curve only (``_local_fit``): per point of _xs, the
+    # discounted steps without prompt chunks seen there (decode tokens nearest it), the sums of
+    # their verify seconds less the drafted tokens' part (see ``observe``), context tokens and
+    # decode tokens; and the kernel between the points
+    local_pseudo: float = 8.0  # steps' worth of pull toward the fit at every point (inf: no correction)
+    local_width: float = 0.3  # the kernel's width in log tokens (neighbours share their ratio)
+    _lw: np.ndarray | None = field(init=False, default=None)
+    _lv: np.ndarray | None = field(init=False, default=None)
+    _lc: np.ndarray | None = field(init=False, default=None)
+    _ln: np.ndarray | None = field(init=False, default=None)
+    _ld: np.ndarray | None = field(init=False, default=None)
+    _lk: np.ndarray | None = field(init=False, default=None)
+    # the drafted tokens' column (with a profile's curve): its coefficient, per token (seconds)
+    _drafted_coef: float = field(init=False, default=0.0)
     _fwd: dict = field(init=False, default_factory=dict)
     _fwd_keep: list = field(init=False, default_factory=list)  # keeps cached arrays' ids valid
 
     def __post_init__(self) -> None:
+        if not (self.local_pseudo > 0 and self.local_width > 0):
+            raise ValueError(f"local_pseudo, local_width: must be > 0, got {self.local_pseudo}, {self.local_width}")
         dv = 4 + len(VERIFY_KNOTS)
         self.verify = _DiscountedRidge(dv, self.discount, self.prior_weight, np.zeros(dv))
         self.draft = _DiscountedRidge(4, self.discount, self.prior_weight, np.zeros(4))
 
     def seed_from(self, model: StepCostModel, *, max_tokens: int = 4096, max_k: int = 8, weight: float = 0.05,
                   keep_shape: bool = True) -> None:
-        """Seed the prior with pseudo-steps predicted by ``model`` (e.g. a profile);
-        ``keep_shape``: its verify curve also becomes a column of the fit (see below)."""
+        """Seed the prior from ``model`` (e.g. a profile): with ``keep_shape``, its verify curve becomes
+        the fit's curve and the verify coefficients get a prior of their own (``_shape_prior``);
+        without, pseudo-steps predicted by it (``weight`` a step). The draft part: pseudo-steps."""
         n = np.unique(np.geomspace(1, max_tokens, 24).astype(int)).astype(float)
         none = np.zeros(n.size)
         # the profile's fixed per-step overhead is the "other" part here, learned on its own:
@@ -214,7 +252,10 @@ class OnlineStepCost:
         # its steps: a CPU's matrix kernels work in blocks of rows, and the pass over 9 tokens took
         # 28% longer than over 8 (SmolLM2 fp32, AVX2), where the hinges at 8, 16, ... spread such a
         # step over the segment and priced one more request's token at 20 times its cost. The live
-        # steps then fit its scale (another machine's profile: a slower or faster copy of it).
+        # steps then fit its scale (another machine's profile: a slower or faster copy of it). The
+        # hinges go with it: the local correction bends the curve where live steps are seen, and
+        # free hinges beside the drafted rows' column bent it at will where a load's steps visit a
+        # few counts (there the two explain the same steps).
         if keep_shape and self.steps == 0 and self._shape is None:
             grid = np.unique(np.concatenate([np.arange(1.0, 65.0), np.geomspace(64, max_tokens, 24).round()]))
             empty = np.zeros(grid.size)
@@ -223,31 +264,28 @@ class OnlineStepCost:
             # the curve bends at the knots and at the profile's points: evaluate it at all of them
             self._xs = np.union1d(_XS, grid)
             self._basis = verify_features(self._xs, 0.0, self._shape)[:, :-2]
-            dv = 5 + len(VERIFY_KNOTS)
+            dv = 4 + self.composition
             self.verify = _DiscountedRidge(dv, self.discount, self.prior_weight, np.zeros(dv))
-        for ctx in (0.0, 256.0 * 64, 2048.0 * 128):
-            t0 = model.predict(n, ctx, np.zeros(max_k), 0.0, none, none, ctx / 64) - overhead
-            self.verify.seed(verify_features(n, ctx, self._shape), t0, weight)
+            self._lw, self._lv, self._lc, self._ln, self._ld = (np.zeros(self._xs.size) for _ in range(5))
+            lx = np.log(np.maximum(self._xs, 0.5))
+            self._lk = np.exp(-0.5 * ((lx[:, None] - lx[None, :]) / self.local_width) ** 2)
         # steps with a prompt chunk: the model's price of them (its prompt table where it has one,
         # else its verify curve over all the step's tokens: prompt_feature's own column)
         many = getattr(model, "prompt_s_many", None)
         table = many if many is not None and many(8.0, 0.0) is not None else None
         if keep_shape:
             self._prompt_table = table
+        if self._shape is not None:
+            self._shape_prior(model, max_k)
+        for ctx in () if self._shape is not None else (0.0, 256.0 * 64, 2048.0 * 128):
+            t0 = model.predict(n, ctx, np.zeros(max_k), 0.0, none, none, ctx / 64) - overhead
+            self.verify.seed(verify_features(n, ctx), t0, weight)
         p = np.unique(np.geomspace(8, max(max_tokens // 2, 8), 10).astype(int)).astype(float)
-        for d in (1.0, 8.0, 32.0):
-            base = float(model.predict(np.array([d]), 0.0, np.zeros(max_k), 0.0, none[:1], none[:1], 0.0)[0])
-            if table is not None and self._shape is not None:
-                t = base + table(p, d)
-            else:
-                t = np.asarray(model.predict(d + p, 0.0, np.zeros(max_k), 0.0, np.zeros(p.size), np.zeros(p.size),
-                                             0.0), dtype=float)
-            if self._shape is None:  # no curve of the profile's kept: prompt tokens ride on the curve
-                X = verify_features(d + p, 0.0)
-            else:
-                X = np.stack([verify_features(np.array([d]), 0.0, self._shape, self.prompt_feature(d, x))[0]
-                              for x in p])
-            self.verify.seed(X, t - overhead, weight)
+        for d in () if self._shape is not None else (1.0, 8.0, 32.0):
+            # no curve of the profile's kept: prompt tokens ride on the curve
+            t = np.asarray(model.predict(d + p, 0.0, np.zeros(max_k), 0.0, np.zeros(p.size), np.zeros(p.size),
+                                         0.0), dtype=float)
+            self.verify.seed(verify_features(d + p, 0.0), t - overhead, weight)
         self.other_s, self._other_w = overhead, 1.0  # one pseudo-step: the first real ones replace it
         b = np.unique(np.geomspace(1, 256, 10).astype(int)).astype(float)
         one = np.ones(b.size)
@@ -257,6 +295,34 @@ class OnlineStepCost:
                           - model.predict(one[:1], 0.0, np.zeros(max_k), nb, zero[:1], zero[:1], 0.0)[0] for nb in b])
             self.draft.seed(draft_features(np.full(b.size, float(k)), b * k, zero, 0.0), t, weight)
         self._refresh()
+
+    def _shape_prior(self, model: StepCostModel, max_k: int) -> None:
+        """The verify fit's prior with the profile's curve kept: that curve as it is (a constant of
+        0, the curve's coefficient 1), drafted rows at the curve's price (0 more), the profile's
+        context term and its prompt chunks (coefficient 1). Each coefficient is worth a number of
+        steps (``SHAPE_PRIOR_STEPS``) at its column's typical size.
+
+        Why a prior on the coefficients and not pseudo-steps from the profile: pseudo-steps over
+        1-4096 tokens and contexts up to 262,144 tokens held the curve's coefficient and the
+        context's at the profile's by their leverage, so live steps that visit a few token counts
+        moved only the constant: a machine 1.3x slower kept the profile's step at 9 tokens, and a
+        load's steps priced the counts just below the ones it visits (a closed loop's steps while
+        a prompt prefills) off by 10%. The constant is held firmest: where the live steps sit at
+        one count, their level moves the curve's scale."""
+        z = np.zeros(max_k)
+        one, nil = np.ones(1), np.zeros(1)
+        c = 256.0 * 64
+        ctx = float(model.predict(one, c, z, 0.0, nil, nil, 64.0)[0] - model.predict(one, 0.0, z, 0.0, nil, nil, 64.0)[0])
+        ref = float(np.interp(16.0, *self._shape))
+        # drafted rows: what four of them add to a step of four requests (their column's values are
+        # that small; at the curve's own size the prior outweighed a load's worth of steps)
+        rows = float(np.interp(8.0, *self._shape) - np.interp(4.0, *self._shape))
+        pf = float(self.prompt_feature(8.0, 64.0))
+        n = SHAPE_PRIOR_STEPS
+        theta0 = [0.0, 1.0] + [0.0] * self.composition + [max(ctx, 0.0) / c / _CTX, 1.0]
+        prec = [n["constant"], n["curve"] * ref ** 2] + [n["drafted"] * rows ** 2] * self.composition + \
+            [n["context"] * (1024 * _CTX) ** 2, n["prompt"] * pf ** 2]
+        self.verify.set_prior(np.array(prec) + self.prior_weight, np.array(theta0))
 
     def observe(self, step: StepOutcome, draft_batch: np.ndarray, ngram_requests: int, mean_context: float) -> None:
         """draft_batch: [K] requests drafting with the draft model at each position."""
@@ -269,12 +335,25 @@ class OnlineStepCost:
         # (a GPU's, flat and then linear).
         chunked = self._shape is not None and step.num_prefill > 0
         n = float(step.verify_tokens - step.num_prefill) if chunked else float(step.verify_tokens)
-        xv = [1.0, n * _TOK] + [max(n - kt, 0.0) * _TOK for kt in VERIFY_KNOTS]
-        if self._shape is not None:
-            xv.append(float(np.interp(n, *self._shape)))
+        drafted = 0.0
+        if self._shape is None:
+            xv = [1.0, n * _TOK] + [max(n - kt, 0.0) * _TOK for kt in VERIFY_KNOTS]
+        else:
+            xv = [1.0, float(np.interp(n, *self._shape))]
+            # The tokens beyond one a decoding request have a column of their own: a drafted row can
+            # cost what a request's first does not (through Ray Serve on an AVX2 CPU the steps with
+            # drafted tokens ran 22-29% over the calibration, plain ones 7-23%), and where a load's
+            # steps visit a few token counts, one curve priced the drafted rows from the plain ones.
+            # The decoding requests: the context over the mean context a request (what the planner
+            # passes too); unknown (no context): nothing counted as drafted.
+            if self.composition:
+                drafted = float(self._drafted(n, step.context_tokens, mean_context))
+                xv.append(drafted)
         xv.append(step.context_tokens * _CTX)
         xv.append(float(self.prompt_feature(n, step.num_prefill)) if chunked else 0.0)
         self.verify.update(np.array(xv), step.verify_s)
+        if self._lw is not None:
+            self._local_observe(n, step, drafted)
         tokens = float(draft_batch.sum())
         xd = [float(np.count_nonzero(draft_batch)), tokens * _TOK, tokens * mean_context * _CTX, ngram_requests * _TOK]
         self.draft.update(np.array(xd), step.draft_s)
@@ -286,12 +365,60 @@ class OnlineStepCost:
         if self.steps % 4 == 0 or self.steps < 32:  # refit every 4 steps once warm
             self._stale = True
 
+    def _local_observe(self, n: float, step: StepOutcome, drafted: float) -> None:
+        """A step without prompt chunks into the local correction's point nearest its decode
+        tokens (``drafted``: its drafted tokens' column, whose part the fit prices apart). Steps
+        with chunks stay out: what they took beyond the decode rows' curve is the chunks' price
+        as much as the curve's, and through them the fewer decode rows (a closed loop's steps
+        while a client's next prompt prefills) would be charged for it."""
+        g = self.discount
+        for a in (self._lw, self._lv, self._lc, self._ln, self._ld):
+            a *= g
+        if step.num_prefill > 0 or n < 1:
+            return
+        xs = self._xs
+        i = int(np.searchsorted(xs, n))
+        if i >= xs.size or (i > 0 and np.log(n / max(xs[i - 1], 0.5)) < np.log(xs[i] / n)):
+            i -= 1
+        self._lw[i] += 1.0
+        self._lv[i] += step.verify_s
+        self._ld[i] += drafted
+        self._lc[i] += step.context_tokens
+        self._ln[i] += n
+
+    def _local_fit(self, ys: np.ndarray) -> np.ndarray:
+        """The fitted curve ``ys`` (at _xs) times a local correction: at each point, the ratio of
+        what the steps there took (less the context's part) to what the fit prices them, averaged over the neighbouring points by the kernel and pulled to 1 by ``local_pseudo`` steps.
+
+        Why: the fit keeps the profile's curve (its pseudo-steps span 1-4096 tokens), and where a
+        live path runs off its calibration by composition (drafted tokens dearer than plain ones
+        over gRPC on an AVX2 CPU), the few token counts a load's steps visit lie off that curve and
+        the pseudo-steps' leverage keeps the fit from following them: it priced a drafted token
+        under and a plain step over what they took (cpu_live_avx2_mirror). The ratio corrects the
+        counts the steps visit and leaves the profile's shape wherever live steps are sparse."""
+        w = self._lw
+        m = w > 1e-6
+        if not m.any() or np.isinf(self.local_pseudo):
+            return ys
+        wm = w[m]
+        n = self._ln[m] / wm
+        level = (self._lv[m] - self._ctx_coef * self._lc[m] - self._drafted_coef * self._ld[m]) / wm
+        fit = np.interp(n, self._xs, ys)
+        ratio = np.clip(level / np.maximum(fit, 1e-9), 0.25, 4.0)
+        k = self._lk[:, m]
+        corr = (k @ (wm * ratio) + self.local_pseudo) / (k @ wm + self.local_pseudo)
+        return ys * corr
+
     def _refresh(self) -> None:
         """Turn the fitted coefficients into an interpolation table (cheap to evaluate)."""
         v = self.verify.coef()
-        self._ys = self._basis @ v[:-2]
         self._ctx_coef = v[-2] * _CTX
         self.prompt_coef = float(v[-1])
+        nb = self._basis.shape[1]
+        self._ys = self._basis @ v[:nb]
+        self._drafted_coef = float(v[nb]) if v.size > nb + 2 else 0.0
+        if self._lw is not None:
+            self._ys = self._local_fit(self._ys)
         self._dl = [float(x) for x in self.draft.coef()]
         self._stale = False
 
@@ -330,7 +457,22 @@ class OnlineStepCost:
         t = t + self._ctx_coef * np.asarray(context_tokens, dtype=float) + self.other_s
         t = t + d0 * forwards + (d1 + d2 * np.asarray(mean_context, dtype=float) * _TOK) * _TOK * tokens
         t = t + (d3 * _TOK) * np.asarray(ngram_requests, dtype=float)
+        if self._drafted_coef:
+            t = t + self._drafted_coef * self._drafted(verify_tokens, context_tokens, mean_context)
         return np.maximum(t, 1e-6)
+
+    @property
+    def _no_drafted(self) -> float | None:
+        """The drafted tokens' column of a pseudo-step (none drafted), where the fit has one."""
+        return 0.0 if self._shape is not None and self.composition else None
+
+    def _drafted(self, verify_tokens, context_tokens, mean_context):
+        """What the profile's curve charges a step's rows beyond one a decoding request (the
+        requests: the context over the mean context); 0 where that is unknown (no context)."""
+        m = np.asarray(mean_context, dtype=float)
+        v = np.asarray(verify_tokens, dtype=float)
+        req = np.where(m > 0, np.asarray(context_tokens, dtype=float) / np.maximum(m, 1e-9), v)
+        return np.maximum(_interp(v, *self._shape) - _interp(np.minimum(req, v), *self._shape), 0.0)
 
     def predict(self, verify_tokens, context_tokens, draft_other, n_class, k_draft, ngram_requests, mean_context,
                 draft_depth=None):
@@ -353,4 +495,6 @@ class OnlineStepCost:
         t += (per_token * n_class) * k_draft
         t += (d3 * _TOK) * ngram_requests
         t += const
+        if self._drafted_coef:
+            t += self._drafted_coef * self._drafted(verify_tokens, context_tokens, mean_context)
         return np.maximum(t, 1e-6, out=t)

@@ -23,7 +23,7 @@ from adaptspec.serve.policies import AVAILABLE, load_cost_prior, make_policy
 from adaptspec.serve.types import ClassDelta, PolicySnapshot, ReplicaReport, ReplicaState
 
 GOODPUT_WINDOW_S = 10.0
-CHECKPOINT_FORMAT = 1  # bump when the pickled state's shape changes: older checkpoints are then ignored
+CHECKPOINT_FORMAT = 2  # bump when the pickled state's shape changes: older checkpoints are then ignored
 CHECKPOINT_NAMESPACE = "adaptspec"
 log = logging.getLogger(__name__)
 
