@@ -312,7 +312,8 @@ class OnlineStepCost:
         z = np.zeros(max_k)
         one, nil = np.ones(1), np.zeros(1)
         c = 256.0 * 64
-        ctx = float(model.predict(one, c, z, 0.0, nil, nil, 64.0)[0] - model.predict(one, 0.0, z, 0.0, nil, nil, 64.0)[0])
+        ctx = float(model.predict(one, c, z, 0.0, nil, nil, 64.0)[0]
+                    - model.predict(one, 0.0, z, 0.0, nil, nil, 64.0)[0])
         ref = float(np.interp(16.0, *self._shape))
         # drafted rows: what four of them add to a step of four requests (their column's values are
         # that small; at the curve's own size the prior outweighed a load's worth of steps)
@@ -388,14 +389,14 @@ class OnlineStepCost:
 
     def _local_fit(self, ys: np.ndarray) -> np.ndarray:
         """The fitted curve ``ys`` (at _xs) times a local correction: at each point, the ratio of
-        what the steps there took (less the context's part) to what the fit prices them, averaged over the neighbouring points by the kernel and pulled to 1 by ``local_pseudo`` steps.
+        what the steps there took (less the context's part) to what the fit prices them, averaged
+        over the neighbouring points by the kernel and pulled to 1 by ``local_pseudo`` steps.
 
-        Why: the fit keeps the profile's curve (its pseudo-steps span 1-4096 tokens), and where a
-        live path runs off its calibration by composition (drafted tokens dearer than plain ones
-        over gRPC on an AVX2 CPU), the few token counts a load's steps visit lie off that curve and
-        the pseudo-steps' leverage keeps the fit from following them: it priced a drafted token
-        under and a plain step over what they took (cpu_live_avx2_mirror). The ratio corrects the
-        counts the steps visit and leaves the profile's shape wherever live steps are sparse."""
+        Why: the fit's curve is the profile's, scaled and offset, and a live path's steps need not
+        keep its shape (another machine's blocks of rows, the host's share of a step); a few
+        coefficients fitted to the counts a load visits leave those counts off by what the shape
+        misses. The ratio corrects the counts the steps visit and leaves the profile's shape
+        wherever live steps are sparse."""
         w = self._lw
         m = w > 1e-6
         if not m.any() or np.isinf(self.local_pseudo):
