@@ -33,3 +33,17 @@ def test_the_learned_step_cost_prices_held_out_live_steps_as_the_profile_does():
         assert abs(learned - 1) < 0.07, (lo, hi, steps, learned)
     learned, profile = r["four_more"]
     assert profile > 0.15 and learned == pytest.approx(profile, abs=0.04)
+
+
+def test_the_cost_probe_sets_what_thompson_learned_beside_the_truth(capsys):
+    """``simulations/cost_probe.py`` on the AVX2 mirror at four clients: the arms, the learned
+    acceptance beside the truth, the step cost learned and true, and the plans on both costs; with
+    the true cost the planner keeps every class off speculation (what the oracle-planner runs)."""
+    spec = importlib.util.spec_from_file_location("cost_probe", ROOT / "simulations/cost_probe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.probe(ROOT / "simulations/cpu_live_avx2_mirror.yaml", 4, 0)
+    out = capsys.readouterr().out
+    assert "thompson" in out and "acceptance" in out and "plain step" in out
+    true_plan = next(line for line in out.splitlines() if line.startswith("plan on the posterior means, true cost"))
+    assert true_plan.count("none") == 3, true_plan
