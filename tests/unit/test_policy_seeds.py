@@ -19,7 +19,9 @@ def test_the_first_draw_reproduces_the_scenario_run_and_the_others_differ_only_i
     from adaptspec.sim.scenario import load_scenario
 
     sc, base = load_scenario(ROOT / "simulations/interactive_batch_high.yaml")
-    one = sc.model_copy(update={"sweep": sc.sweep.model_copy(update={"rps": [7.0]}),
+    # shortened (the draws, not the scenario's length, are under test): four runs of it
+    one = sc.model_copy(update={"sweep": sc.sweep.model_copy(update={"rps": [7.0]}), "duration_s": 120.0,
+                                  "warmup_s": 20.0, "drain_s": 20.0,
                                   "policies": [p for p in sc.policies if p.kind == "thompson" and p.label is None]})
     run = run_scenario(one, base, seed=1).runs[0]
     stored = run.goodput_rps
