@@ -226,8 +226,10 @@ class OnlineStepCost:
     _ln: np.ndarray | None = field(init=False, default=None)
     _ld: np.ndarray | None = field(init=False, default=None)
     _lk: np.ndarray | None = field(init=False, default=None)
-    # the drafted tokens' column (with a profile's curve): its coefficient, per token (seconds)
+    # the drafted rows' column (with a profile's curve): its coefficient, and the curve table with
+    # that coefficient times the profile's curve folded in (see _with_drafted)
     _drafted_coef: float = field(init=False, default=0.0)
+    _ys_d: np.ndarray = field(init=False, default=None)
     _fwd: dict = field(init=False, default_factory=dict)
     _fwd_keep: list = field(init=False, default_factory=list)  # keeps cached arrays' ids valid
 
@@ -420,6 +422,8 @@ class OnlineStepCost:
         self._drafted_coef = float(v[nb]) if v.size > nb + 2 else 0.0
         if self._lw is not None:
             self._ys = self._local_fit(self._ys)
+        if self._drafted_coef:
+            self._ys_d = self._ys + self._drafted_coef * np.interp(self._xs, *self._shape)
         self._dl = [float(x) for x in self.draft.coef()]
         self._stale = False
 
@@ -454,18 +458,31 @@ class OnlineStepCost:
         D = np.asarray(draft_batch, dtype=float)
         forwards = np.minimum(D, 1.0).sum(axis=-1)  # a position drafted by under one request: that share
         tokens = D.sum(axis=-1)
-        t = _interp(verify_tokens, self._xs, self._ys)
+        table, drafted = self._with_drafted(verify_tokens, context_tokens, mean_context)
+        t = _interp(verify_tokens, self._xs, table) + drafted
         t = t + self._ctx_coef * np.asarray(context_tokens, dtype=float) + self.other_s
         t = t + d0 * forwards + (d1 + d2 * np.asarray(mean_context, dtype=float) * _TOK) * _TOK * tokens
         t = t + (d3 * _TOK) * np.asarray(ngram_requests, dtype=float)
-        if self._drafted_coef:
-            t = t + self._drafted_coef * self._drafted(verify_tokens, context_tokens, mean_context)
         return np.maximum(t, 1e-6)
 
     @property
     def _no_drafted(self) -> float | None:
         """The drafted tokens' column of a pseudo-step (none drafted), where the fit has one."""
         return 0.0 if self._shape is not None and self.composition else None
+
+    def _with_drafted(self, verify_tokens, context_tokens, mean_context):
+        """(the curve table to price the verify tokens on, what to add): with the drafted rows'
+        column, the planner's hot path. The coefficient times the profile's curve at the verify
+        tokens is folded into a table of its own (one interpolation over the candidates, not three),
+        less it at the requests, which are one a class row; exact wherever the verify tokens are at
+        least the requests (every step's are). Requests unknown (no context): nothing drafted."""
+        if not self._drafted_coef:
+            return self._ys, 0.0
+        m = np.asarray(mean_context, dtype=float)
+        if not np.all(m > 0):
+            return self._ys, self._drafted_coef * self._drafted(verify_tokens, context_tokens, mean_context)
+        req = np.asarray(context_tokens, dtype=float) / m
+        return self._ys_d, -self._drafted_coef * _interp(req, *self._shape)
 
     def _drafted(self, verify_tokens, context_tokens, mean_context):
         """What the profile's curve charges a step's rows beyond one a decoding request (the
@@ -491,11 +508,11 @@ class OnlineStepCost:
         # [C, 1] (or [1] for one class): the part every candidate of a class shares
         const = self._ctx_coef * context_tokens + self.other_s + per_token * np.add.reduce(draft_other, axis=-1,
                                                                                            keepdims=True)
-        t = _interp(verify_tokens, self._xs, self._ys)
+        table, drafted = self._with_drafted(verify_tokens, context_tokens, mean_context)
+        t = _interp(verify_tokens, self._xs, table)
+        t += drafted
         t += d0 * forwards
         t += (per_token * n_class) * k_draft
         t += (d3 * _TOK) * ngram_requests
         t += const
-        if self._drafted_coef:
-            t += self._drafted_coef * self._drafted(verify_tokens, context_tokens, mean_context)
         return np.maximum(t, 1e-6, out=t)
