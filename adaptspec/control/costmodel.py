@@ -74,22 +74,18 @@ def draft_batch(draft_other: np.ndarray, n_class: float, k_draft: np.ndarray) ->
 
 
 def verify_features(verify_tokens: np.ndarray, context_tokens: float,
-                    shape: tuple[np.ndarray, np.ndarray] | None = None, prompt: float = 0.0,
-                    drafted: float | np.ndarray | None = None) -> np.ndarray:
+                    shape: tuple[np.ndarray, np.ndarray] | None = None, prompt: float = 0.0) -> np.ndarray:
     """[A] decode and verification tokens -> design matrix [A, 2 + len(VERIFY_KNOTS) + 2] without
     ``shape``: the curve's columns (a constant, the tokens, the hinges), then the context's and the
     prompt chunks' (``prompt``: their feature, ``OnlineStepCost.prompt_feature``). With ``shape``, a
-    prior's verify curve (tokens, seconds), the curve is a constant and that curve's value, and
-    ``drafted`` (what that curve charges a step's drafted rows: ``OnlineStepCost``'s composition
-    column), where given, comes before the context's: [A, 2 (+ 1) + 2]."""
+    prior's verify curve (tokens, seconds), the curve is a constant and that curve's value: [A, 2 + 2]
+    (``OnlineStepCost.observe`` adds its drafted rows' column between the curve's and the context's)."""
     n = np.asarray(verify_tokens, dtype=float)
     if shape is None:
         cols = [np.ones_like(n), n * _TOK]
         cols += [np.maximum(n - kt, 0.0) * _TOK for kt in VERIFY_KNOTS]
     else:
         cols = [np.ones_like(n), np.interp(n, *shape)]
-        if drafted is not None:
-            cols.append(np.broadcast_to(np.asarray(drafted, dtype=float), n.shape))
     cols.append(np.full_like(n, context_tokens * _CTX))
     cols.append(np.full_like(n, prompt))
     return np.stack(cols, axis=-1)
@@ -214,17 +210,13 @@ class OnlineStepCost:
     prompt_coef: float = field(init=False, default=0.0)
     _prompt_table: object = field(init=False, default=None)
     _dl: list = field(init=False, default=None)
-    # The local correction, with a profile's curve only (``_local_fit``): per point of _xs, the
-    # discounted steps without prompt chunks seen there (decode tokens nearest it), the sums of
-    # their verify seconds less the drafted tokens' part (see ``observe``), context tokens and
-    # decode tokens; and the kernel between the points
+    # The local correction, with a profile's curve only (``_local_fit``): per point of _xs, rows
+    # (steps, verify seconds, context tokens, decode tokens, drafted rows' column) discounted sums
+    # over the steps without prompt chunks seen there (decode tokens nearest it); and the kernel
+    # between the points
     local_pseudo: float = 8.0  # steps' worth of pull toward the fit at every point (inf: no correction)
     local_width: float = 0.3  # the kernel's width in log tokens (neighbours share their ratio)
-    _lw: np.ndarray | None = field(init=False, default=None)
-    _lv: np.ndarray | None = field(init=False, default=None)
-    _lc: np.ndarray | None = field(init=False, default=None)
-    _ln: np.ndarray | None = field(init=False, default=None)
-    _ld: np.ndarray | None = field(init=False, default=None)
+    _local: np.ndarray | None = field(init=False, default=None)  # [5, len(_xs)]
     _lk: np.ndarray | None = field(init=False, default=None)
     # the drafted rows' column (with a profile's curve): its coefficient, and the curve table with
     # that coefficient times the profile's curve folded in (see _with_drafted)
@@ -245,8 +237,6 @@ class OnlineStepCost:
         """Seed the prior from ``model`` (e.g. a profile): with ``keep_shape``, its verify curve becomes
         the fit's curve and the verify coefficients get a prior of their own (``_shape_prior``);
         without, pseudo-steps predicted by it (``weight`` a step). The draft part: pseudo-steps."""
-        n = np.unique(np.geomspace(1, max_tokens, 24).astype(int)).astype(float)
-        none = np.zeros(n.size)
         # the profile's fixed per-step overhead is the "other" part here, learned on its own:
         # seeded there, not into the verify curve (predict adds other_s to it)
         overhead = float(getattr(model, "step_overhead_s", 0.0))
@@ -268,7 +258,7 @@ class OnlineStepCost:
             self._basis = verify_features(self._xs, 0.0, self._shape)[:, :-2]
             dv = 4 + self.composition
             self.verify = _DiscountedRidge(dv, self.discount, self.prior_weight, np.zeros(dv))
-            self._lw, self._lv, self._lc, self._ln, self._ld = (np.zeros(self._xs.size) for _ in range(5))
+            self._local = np.zeros((5, self._xs.size))
             lx = np.log(np.maximum(self._xs, 0.5))
             self._lk = np.exp(-0.5 * ((lx[:, None] - lx[None, :]) / self.local_width) ** 2)
         # steps with a prompt chunk: the model's price of them (its prompt table where it has one,
@@ -279,15 +269,17 @@ class OnlineStepCost:
             self._prompt_table = table
         if self._shape is not None:
             self._shape_prior(model, max_k)
-        for ctx in () if self._shape is not None else (0.0, 256.0 * 64, 2048.0 * 128):
-            t0 = model.predict(n, ctx, np.zeros(max_k), 0.0, none, none, ctx / 64) - overhead
-            self.verify.seed(verify_features(n, ctx), t0, weight)
-        p = np.unique(np.geomspace(8, max(max_tokens // 2, 8), 10).astype(int)).astype(float)
-        for d in () if self._shape is not None else (1.0, 8.0, 32.0):
-            # no curve of the profile's kept: prompt tokens ride on the curve
-            t = np.asarray(model.predict(d + p, 0.0, np.zeros(max_k), 0.0, np.zeros(p.size), np.zeros(p.size),
-                                         0.0), dtype=float)
-            self.verify.seed(verify_features(d + p, 0.0), t - overhead, weight)
+        else:  # pseudo-steps; no curve of the profile's kept: prompt tokens ride on the curve
+            n = np.unique(np.geomspace(1, max_tokens, 24).astype(int)).astype(float)
+            none = np.zeros(n.size)
+            for ctx in (0.0, 256.0 * 64, 2048.0 * 128):
+                t0 = model.predict(n, ctx, np.zeros(max_k), 0.0, none, none, ctx / 64) - overhead
+                self.verify.seed(verify_features(n, ctx), t0, weight)
+            p = np.unique(np.geomspace(8, max(max_tokens // 2, 8), 10).astype(int)).astype(float)
+            for d in (1.0, 8.0, 32.0):
+                t = np.asarray(model.predict(d + p, 0.0, np.zeros(max_k), 0.0, np.zeros(p.size), np.zeros(p.size),
+                                             0.0), dtype=float)
+                self.verify.seed(verify_features(d + p, 0.0), t - overhead, weight)
         self.other_s, self._other_w = overhead, 1.0  # one pseudo-step: the first real ones replace it
         b = np.unique(np.geomspace(1, 256, 10).astype(int)).astype(float)
         one = np.ones(b.size)
@@ -355,7 +347,7 @@ class OnlineStepCost:
         xv.append(step.context_tokens * _CTX)
         xv.append(float(self.prompt_feature(n, step.num_prefill)) if chunked else 0.0)
         self.verify.update(np.array(xv), step.verify_s)
-        if self._lw is not None:
+        if self._local is not None:
             self._local_observe(n, step, drafted)
         tokens = float(draft_batch.sum())
         xd = [float(np.count_nonzero(draft_batch)), tokens * _TOK, tokens * mean_context * _CTX, ngram_requests * _TOK]
@@ -374,20 +366,14 @@ class OnlineStepCost:
         with chunks stay out: what they took beyond the decode rows' curve is the chunks' price
         as much as the curve's, and through them the fewer decode rows (a closed loop's steps
         while a client's next prompt prefills) would be charged for it."""
-        g = self.discount
-        for a in (self._lw, self._lv, self._lc, self._ln, self._ld):
-            a *= g
+        self._local *= self.discount
         if step.num_prefill > 0 or n < 1:
             return
         xs = self._xs
         i = int(np.searchsorted(xs, n))
         if i >= xs.size or (i > 0 and np.log(n / max(xs[i - 1], 0.5)) < np.log(xs[i] / n)):
             i -= 1
-        self._lw[i] += 1.0
-        self._lv[i] += step.verify_s
-        self._ld[i] += drafted
-        self._lc[i] += step.context_tokens
-        self._ln[i] += n
+        self._local[:, i] += (1.0, step.verify_s, step.context_tokens, n, drafted)
 
     def _local_fit(self, ys: np.ndarray) -> np.ndarray:
         """The fitted curve ``ys`` (at _xs) times a local correction: at each point, the ratio of
@@ -399,13 +385,12 @@ class OnlineStepCost:
         coefficients fitted to the counts a load visits leave those counts off by what the shape
         misses. The ratio corrects the counts the steps visit and leaves the profile's shape
         wherever live steps are sparse."""
-        w = self._lw
-        m = w > 1e-6
+        m = self._local[0] > 1e-6
         if not m.any() or np.isinf(self.local_pseudo):
             return ys
-        wm = w[m]
-        n = self._ln[m] / wm
-        level = (self._lv[m] - self._ctx_coef * self._lc[m] - self._drafted_coef * self._ld[m]) / wm
+        wm, verify, ctx, n, drafted = self._local[:, m]
+        n = n / wm
+        level = (verify - self._ctx_coef * ctx - self._drafted_coef * drafted) / wm
         fit = np.interp(n, self._xs, ys)
         ratio = np.clip(level / np.maximum(fit, 1e-9), 0.25, 4.0)
         k = self._lk[:, m]
@@ -420,7 +405,7 @@ class OnlineStepCost:
         nb = self._basis.shape[1]
         self._ys = self._basis @ v[:nb]
         self._drafted_coef = float(v[nb]) if v.size > nb + 2 else 0.0
-        if self._lw is not None:
+        if self._local is not None:
             self._ys = self._local_fit(self._ys)
         if self._drafted_coef:
             self._ys_d = self._ys + self._drafted_coef * np.interp(self._xs, *self._shape)
@@ -464,11 +449,6 @@ class OnlineStepCost:
         t = t + d0 * forwards + (d1 + d2 * np.asarray(mean_context, dtype=float) * _TOK) * _TOK * tokens
         t = t + (d3 * _TOK) * np.asarray(ngram_requests, dtype=float)
         return np.maximum(t, 1e-6)
-
-    @property
-    def _no_drafted(self) -> float | None:
-        """The drafted tokens' column of a pseudo-step (none drafted), where the fit has one."""
-        return 0.0 if self._shape is not None and self.composition else None
 
     def _with_drafted(self, verify_tokens, context_tokens, mean_context):
         """(the curve table to price the verify tokens on, what to add): with the drafted rows'
