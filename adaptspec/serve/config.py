@@ -156,7 +156,7 @@ class ClassConfig(_Strict):
 
 
 class ControllerOptions(_Strict):
-    policy: str = Field("thompson", description="thompson | ucb | ema | heuristic | static:<drafter>:<k>")
+    policy: str = Field("thompson", description="thompson | ucb | ema | heuristic | static:<drafter>:<k>[/<class>=<drafter>:<k>...]")
     max_k: int = Field(8, ge=1, le=MAX_K, description="largest k the policy may choose")
     report_interval_s: float = Field(
         1.0, gt=0, le=10,

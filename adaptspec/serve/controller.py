@@ -106,7 +106,8 @@ class ControlCore:
                            seed=self.config.controller.seed, prior_cost=self.prior_cost,
                            fade_half_life_s=self.config.controller.fade_half_life_s,
                            fade_min_steps=self.config.controller.fade_min_steps,
-                           thresholds=tuple(self.config.controller.confidence_thresholds), field=field_name)
+                           thresholds=tuple(self.config.controller.confidence_thresholds), field=field_name,
+                           classes=tuple(self.config.class_names))
 
     # ---- replicas ------------------------------------------------------------------------
     def report(self, rep: ReplicaReport) -> PolicySnapshot:

@@ -9,20 +9,22 @@ import subprocess
 from pathlib import Path
 
 from adaptspec.control import (
-    Arm, ClassTarget, DiscountedUCB, EmaPolicy, HeuristicPolicy, ModelBasedThompson, Policy, PolicyConfig,
-    StaticPolicy, ThompsonConfig,
+    Arm, ClassTarget, DiscountedUCB, EmaPolicy, HeuristicPolicy, ModelBasedThompson, PerClassStaticPolicy, Policy,
+    PolicyConfig, StaticPolicy, ThompsonConfig,
 )
 
-AVAILABLE = ("thompson", "ucb", "ema", "heuristic", "static:<drafter>:<k>")
+AVAILABLE = ("thompson", "ucb", "ema", "heuristic", "static:<drafter>:<k>[/<class>=<drafter>:<k>...]")
 log = logging.getLogger("adaptspec.serve.policies")
 
 
 def make_policy(name: str, *, drafters: tuple[str, ...], max_k: int, targets: tuple[ClassTarget, ...] = (),
                 seed: int = 0, prior_cost=None, fade_half_life_s: float | None = 60.0, fade_min_steps: int = 500,
-                thresholds: tuple[float, ...] = (), field: str = "policy") -> Policy:
+                thresholds: tuple[float, ...] = (), field: str = "policy",
+                classes: tuple[str, ...] | None = None) -> Policy:
     """Build a policy by name; ValueError names ``field`` on a bad name. ``prior_cost``: a
     ``StepCostModel`` seeding the model-based policy; ``fade_half_life_s``, ``fade_min_steps``: its
-    evidence fading (``ThompsonConfig``)."""
+    evidence fading (``ThompsonConfig``). ``classes``: the deployment's classes, which a per-class
+    static policy (``static:none:0/extraction=ngram:2``) may name (None: any name)."""
     cfg = PolicyConfig(drafters=tuple(drafters), max_k=max_k, targets=targets, seed=seed, thresholds=tuple(thresholds))
     base, _, rest = name.partition(":")
     best = "draft" if "draft" in drafters else drafters[0]
@@ -36,17 +38,35 @@ def make_policy(name: str, *, drafters: tuple[str, ...], max_k: int, targets: tu
     if base == "heuristic":
         return HeuristicPolicy(best, cfg, start_k=min(5, max_k))
     if base == "static":
-        drafter, _, k = rest.partition(":")
-        try:
-            arm = Arm(drafter or "none", int(k or 0))
-        except ValueError as exc:
-            raise ValueError(f"{field}: {name!r}: {exc}") from None
-        if arm.k and arm.drafter not in drafters:
-            raise ValueError(f"{field}: {name!r} uses drafter {arm.drafter!r}; this deployment has {drafters}")
-        if arm.k > max_k:
-            raise ValueError(f"{field}: {name!r}: k={arm.k} exceeds max_k={max_k}")
-        return StaticPolicy(arm, cfg)
+        # static:<drafter>:<k> for every class, or with /<class>=<drafter>:<k> overrides: the fair
+        # static reference when classes differ (each class on its own best arm, none adapting)
+        default, *overrides = rest.split("/")
+        arm = _static_arm(default or "none:0", name, drafters, max_k, field)
+        arms = {}
+        for part in overrides:
+            cls, eq, spec = part.partition("=")
+            if not eq or not cls:
+                raise ValueError(f"{field}: {name!r}: {part!r} is not <class>=<drafter>:<k>")
+            if classes is not None and cls not in classes:
+                raise ValueError(f"{field}: {name!r} names class {cls!r}; this deployment has {list(classes)}")
+            if cls in arms:
+                raise ValueError(f"{field}: {name!r} names class {cls!r} twice")
+            arms[cls] = _static_arm(spec, name, drafters, max_k, field)
+        return PerClassStaticPolicy(arms, cfg, default=arm) if arms else StaticPolicy(arm, cfg)
     raise ValueError(f"{field}: unknown policy {name!r}; one of {', '.join(AVAILABLE)}")
+
+
+def _static_arm(spec: str, name: str, drafters: tuple[str, ...], max_k: int, field: str) -> Arm:
+    drafter, _, k = spec.partition(":")
+    try:
+        arm = Arm(drafter or "none", int(k or 0))
+    except ValueError as exc:
+        raise ValueError(f"{field}: {name!r}: {exc}") from None
+    if arm.k and arm.drafter not in drafters:
+        raise ValueError(f"{field}: {name!r} uses drafter {arm.drafter!r}; this deployment has {drafters}")
+    if arm.k > max_k:
+        raise ValueError(f"{field}: {name!r}: k={arm.k} exceeds max_k={max_k}")
+    return arm
 
 
 def load_cost_prior(spec: str | None, *, target: str, dtype: str, device: str, draft: str | None = None,

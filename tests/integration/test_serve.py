@@ -164,6 +164,12 @@ def test_stats_and_policy_update(service):
     _wait_for(on_pin, "a chat request to run on the pinned arm ngram:2 alone")
     pol = client.update_policy("thompson", unpin=["chat"])
     assert not any(c.pinned for c in pol.classes) and client.policy().policy == "thompson"
+    # a static arm per class (the fair static reference when classes differ), then back
+    pol = client.update_policy("static:none:0/extraction=ngram:2")
+    assert {c.request_class: c.arm for c in pol.classes} == {"chat": "none", "code_edit": "none",
+                                                           "extraction": "ngram:2", "default": "none"}
+    pol = client.update_policy("thompson")
+    assert client.policy().policy == "thompson"
 
 
 @pytest.mark.parametrize("fields, field", [
@@ -191,6 +197,7 @@ def test_bad_input_is_invalid_argument(service, fields, field):
 def test_bad_policy_update_is_invalid_argument(service):
     _, client = service
     for kwargs, field in ((dict(policy="greedy-magic"), "policy"), (dict(pins={"chat": ("ngram", 17)}), "k"),
+                          (dict(policy="static:none:0/poetry=ngram:2"), "policy"),
                           (dict(unpin=["code_edit"]), "unpin")):
         with pytest.raises(grpc.RpcError) as err:
             client.update_policy(**kwargs)

@@ -76,6 +76,23 @@ def test_the_controller_fading_settings_reach_the_policy():
     assert (p.ts.fade_half_life_s, p.ts.fade_min_steps) == (30.0, 200)
 
 
+def test_a_static_policy_takes_an_arm_per_class_and_names_what_is_wrong():
+    from adaptspec.control import Load
+    from adaptspec.serve.policies import make_policy
+
+    kw = dict(drafters=("draft", "ngram"), max_k=4, classes=("chat", "extraction", "default"))
+    p = make_policy("static:draft:1/extraction=ngram:2", **kw)
+    assert [str(a) for a in p.choose_many(["chat", "extraction", "default"], Load())] == ["draft:1", "ngram:2", "draft:1"]
+    assert str(make_policy("static:ngram:3", **kw).choose("extraction", Load())) == "ngram:3"
+    for name, words in (("static:none:0/poetry=ngram:2", "class 'poetry'"), ("static:none:0/extraction", "<class>="),
+                        ("static:none:0/chat=ngram:9", "k=9 exceeds max_k=4"),
+                        ("static:none:0/chat=suffix:2", "drafter 'suffix'"),
+                        ("static:none:0/chat=ngram:1/chat=draft:1", "twice")):
+        with pytest.raises(ValueError, match=r"^policy: ") as err:
+            make_policy(name, **kw)
+        assert words in str(err.value), (name, err.value)
+
+
 def test_default_class_is_always_there():
     assert "default" in ServiceConfig.model_validate({"classes": [{"name": "chat"}]}).class_names
 
