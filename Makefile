@@ -38,11 +38,11 @@ run: $(STAMP)
 # fails if either did. --durations: the slowest tests, so a suite creeping past its 15 minutes
 # on 2 cores shows where. TEST_WORKERS=1 runs everything in one process.
 TEST_WORKERS ?= auto
-PYTEST_PAR := $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile)
+PYTEST_PAR := $(if $(filter 1,$(TEST_WORKERS)),,OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --maxprocesses 4 --dist loadfile)
 test: $(TEST_STAMP)
 	$(VENV)/bin/adaptspec models pull smollm2-135m
 	@rc=0; \
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q $(PYTEST_PAR) --durations=20 tests/unit tests/statistical || rc=$$?; \
+	$(or $(PYTEST_PAR),$(PY) -m pytest) -q --durations=20 tests/unit tests/statistical || rc=$$?; \
 	$(PY) -m pytest -q --durations=10 tests/integration || rc=$$?; \
 	exit $$rc
 

@@ -168,7 +168,7 @@ def test_stats_and_policy_update(service):
     pol = client.update_policy("static:none:0/extraction=ngram:2")
     assert {c.request_class: c.arm for c in pol.classes} == {"chat": "none", "code_edit": "none",
                                                            "extraction": "ngram:2", "default": "none"}
-    pol = client.update_policy("thompson")
+    client.update_policy("thompson")
     assert client.policy().policy == "thompson"
 
 
