@@ -504,6 +504,7 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
     for n in levels:
         recs: dict[str, list] = {p: [] for p in pols}
         windows: dict[str, list] = {p: [] for p in pols}
+        per_round: dict[str, list[float]] = {p: [] for p in pols}
         for r in range(rounds):
             for pol in pols if r % 2 == 0 else pols[::-1]:
                 if fresh or pol != current():
@@ -511,8 +512,10 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
                 got, window = run_one(n)
                 recs[pol] += got
                 windows[pol].append(window)
+                per_round[pol].append(summarize(pol, n, got, window, spec).throughput_tokens_per_s)
         for pol in pols:
             s = summarize(pol, n, recs[pol], windows[pol], spec)
+            s.round_tokens_per_s = per_round[pol] if rounds > 1 else []
             results.append(s)
             console.print(f"{pol:>18} {as_arrivals(n).label:<6} {s.throughput_tokens_per_s:7.1f} tok/s  goodput "
                           f"{s.goodput_requests_per_s:5.2f} req/s  e2e p50 {s.e2e_p50_s:.2f}s  "
@@ -563,7 +566,7 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
     console.print("tokens per decode-second (the steps' emitted tokens over their time less prefill; the prompt mix "
                   "does not move it):")
     for line in adaptive_vs_static(results, lambda s: per_decode_s.get((s.policy, s.level), 0.0),
-                                   verdict=False):
+                                   verdict=False, rounds=None):
         console.print(line + " per decode-second")
     checks = {p: c.table() for p, c in svc.cost_checks.items() if c.rows}
     for pol, rows in checks.items():
@@ -585,9 +588,13 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
         console.print(f"wrote {json_path}")
 
 
-def adaptive_vs_static(results, value=lambda s: s.throughput_tokens_per_s, verdict: bool = True) -> list[str]:
+def adaptive_vs_static(results, value=lambda s: s.throughput_tokens_per_s, verdict: bool = True,
+                       rounds=lambda s: getattr(s, "round_tokens_per_s", None)) -> list[str]:
     """Per level, each adaptive policy's ``value`` (throughput) over the best static arm's
-    (the goal: >= 0.95, shown when ``verdict``)."""
+    (the goal: >= 0.95, shown when ``verdict``). With several rounds (``rounds``: a summary's
+    per-round values, None: not shown) also the ratio round by round: the policies of a round
+    ran within a minute or two of each other, so the spread of those ratios is what the
+    machine's drift and the load's noise leave in the verdict's ratio."""
     out = []
     level = lambda s: getattr(s, "level", "") or f"c={s.concurrency}"  # noqa: E731
     for n in dict.fromkeys(level(s) for s in results):  # levels in the order they ran
@@ -599,8 +606,12 @@ def adaptive_vs_static(results, value=lambda s: s.throughput_tokens_per_s, verdi
             if level(s) == n and not s.policy.startswith("static") and value(best) > 0:
                 r = value(s) / value(best)
                 # three decimals and the verdict: 0.945 printed as "0.95" read as met
-                out.append(f"{n}: {s.policy} / best static ({best.policy}) = {r:.3f}"
-                           + (f" ({'>=' if r >= 0.95 else '<'} 0.95)" if verdict else ""))
+                line = f"{n}: {s.policy} / best static ({best.policy}) = {r:.3f}" + \
+                    (f" ({'>=' if r >= 0.95 else '<'} 0.95)" if verdict else "")
+                mine, theirs = (rounds(s), rounds(best)) if rounds is not None else (None, None)
+                if mine and theirs and len(mine) == len(theirs) > 1 and all(t > 0 for t in theirs):
+                    line += "; round by round " + " ".join(f"{a / b:.3f}" for a, b in zip(mine, theirs))
+                out.append(line)
     return out
 
 

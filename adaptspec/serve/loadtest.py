@@ -137,6 +137,9 @@ class LevelSummary:
     # the time between consecutive streamed chunks of a request (a stalled request shows here)
     gap_p99_s: float = 0.0
     gap_max_s: float = 0.0
+    # each round's throughput alone, in the order the rounds ran (several rounds: see
+    # cli.adaptive_vs_static, which pairs them across policies)
+    round_tokens_per_s: list[float] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -50,3 +50,54 @@ def test_adaptive_vs_static_does_not_round_a_miss_into_the_goal():
             NS(concurrency=16, policy="static:none:0", throughput_tokens_per_s=95.0)]
     assert adaptive_vs_static(rows) == ["c=4: thompson / best static (static:ngram:2) = 0.945 (< 0.95)",
                                         "c=16: thompson / best static (static:none:0) = 1.011 (>= 0.95)"]
+
+
+def test_adaptive_vs_static_pairs_the_rounds():
+    """With per-round throughputs the line also gives the ratio round by round (the first
+    round's 0.8 and the third's 1.2 average out in the pooled ratio: only the rounds show it);
+    rounds of unequal count, or none, add nothing."""
+    from types import SimpleNamespace as NS
+
+    from adaptspec.serve.cli import adaptive_vs_static
+
+    rows = [NS(concurrency=4, policy="thompson", throughput_tokens_per_s=50.0, round_tokens_per_s=[40.0, 50.0, 60.0]),
+            NS(concurrency=4, policy="static:none:0", throughput_tokens_per_s=50.0,
+               round_tokens_per_s=[50.0, 50.0, 50.0])]
+    assert adaptive_vs_static(rows) == ["c=4: thompson / best static (static:none:0) = 1.000 (>= 0.95); "
+                                        "round by round 0.800 1.000 1.200"]
+    rows[1].round_tokens_per_s = [50.0, 50.0]
+    assert adaptive_vs_static(rows) == ["c=4: thompson / best static (static:none:0) = 1.000 (>= 0.95)"]
+    assert adaptive_vs_static(rows, rounds=None) == adaptive_vs_static(rows)
+
+
+def test_interleaved_levels_keep_each_rounds_throughput():
+    """Each (level, policy) summary pools its rounds and keeps each round's throughput in the
+    order the rounds ran; the policies alternate order round by round."""
+    from rich.console import Console
+
+    from adaptspec.serve.cli import _interleaved_levels
+
+    state = {"policy": "a", "t": 0.0}
+    ran = []
+
+    def run_one(n):  # one run: policy "a" emits 2 tokens a second in round r + 1 ... "b" 3
+        t0 = state["t"]
+        state["t"] += 10.0
+        r = sum(1 for p, _ in ran if p == state["policy"])
+        ran.append((state["policy"], n))
+        per_s = (2 if state["policy"] == "a" else 3) * (r + 1)
+        recs = [_rec(t0, 0.1, [t0 + (i + 0.5) / per_s for i in range(per_s * 5)])]
+        return recs, Window(t0, t0 + 5.0)
+
+    out = _interleaved_levels([1], ["a", "b"], 2, False, SPEC, Console(file=None, quiet=True),
+                              current=lambda: state["policy"], switch=lambda p, reset: state.update(policy=p),
+                              run_one=run_one)
+    assert [p for p, _ in ran] == ["a", "b", "b", "a"]
+    a, b = out
+    assert (a.policy, b.policy) == ("a", "b")
+    assert a.round_tokens_per_s == [2.0, 4.0] and b.round_tokens_per_s == [3.0, 6.0]
+    assert a.throughput_tokens_per_s == 3.0 and b.throughput_tokens_per_s == 4.5
+    one = _interleaved_levels([1], ["a"], 1, False, SPEC, Console(file=None, quiet=True),
+                              current=lambda: state["policy"], switch=lambda p, reset: state.update(policy=p),
+                              run_one=run_one)
+    assert one[0].round_tokens_per_s == []
