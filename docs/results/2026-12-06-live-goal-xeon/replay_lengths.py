@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 
+from adaptspec.control.acceptance import accepted_length_curve
 from adaptspec.sim.acceptance_replay import AcceptanceFile, RecordedAcceptance
 
 K, DRAWS = 8, 20000
@@ -17,8 +18,7 @@ for cls, drafters in f.classes.items():
     for d, rec in drafters.items():
         m = RecordedAcceptance.from_record(rec)
         rng = np.random.default_rng(0)
-        p = m.position_probs(K)
-        pooled = [1 + np.cumprod(p[:k]).sum() for k in range(1, K + 1)]
+        pooled = accepted_length_curve(m.position_probs(K))[1:]
         replay = [1 + m.sample(k, DRAWS, rng).mean() for k in range(1, K + 1)]
         steps = {k: int(np.asarray(v).sum()) for k, v in sorted(rec.joint.items())}
         print(f"{cls} {d}: request-steps recorded per k {steps}")
