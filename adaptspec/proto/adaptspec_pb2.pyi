@@ -179,18 +179,22 @@ class ReplicaStats(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., step_time_s: _Optional[float] = ..., steps: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., drafter_faults: _Optional[int] = ..., in_flight: _Optional[int] = ..., free_slots: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("classes", "replicas", "policy", "policy_version", "uptime_s")
+    __slots__ = ("classes", "replicas", "policy", "policy_version", "uptime_s", "policy_cpu_s", "controller_cpu_s")
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     POLICY_VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    POLICY_CPU_S_FIELD_NUMBER: _ClassVar[int]
+    CONTROLLER_CPU_S_FIELD_NUMBER: _ClassVar[int]
     classes: _containers.RepeatedCompositeFieldContainer[ClassStats]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
     policy: str
     policy_version: int
     uptime_s: float
-    def __init__(self, classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., policy: _Optional[str] = ..., policy_version: _Optional[int] = ..., uptime_s: _Optional[float] = ...) -> None: ...
+    policy_cpu_s: float
+    controller_cpu_s: float
+    def __init__(self, classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., policy: _Optional[str] = ..., policy_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., policy_cpu_s: _Optional[float] = ..., controller_cpu_s: _Optional[float] = ...) -> None: ...
 
 class GetPolicyRequest(_message.Message):
     __slots__ = ()

@@ -182,6 +182,10 @@ def stats_table(st, title: str = "AdaptSpec"):
         t.caption = ((t.caption + "\n") if t.caption else "") + (
             f"replica {r.replica_id}: batch {r.batch_size}, waiting {r.num_waiting}, in flight {r.in_flight}, "
             f"step {r.step_time_s * 1e3:.1f} ms, {r.tokens_per_s:.1f} tok/s, drafter faults {r.drafter_faults}")
+    if st.HasField("controller_cpu_s") and st.uptime_s > 0:
+        t.caption = ((t.caption + "\n") if t.caption else "") + (
+            f"controller: {st.controller_cpu_s:.1f} CPU s since start ({st.controller_cpu_s / st.uptime_s:.1%} of a "
+            f"core), {st.policy_cpu_s:.1f} of them in the policy")
     return t
 
 
@@ -374,7 +378,8 @@ def loadtest(
             results = _interleaved_levels(
                 levels if pols else [], pols, rounds, fresh, spec, console, current=lambda: c.policy().policy,
                 switch=lambda p, reset: c.update_policy(p, reset=reset),
-                run_one=lambda n: run_level(load, n, duration, spec, warmup_s=warmup))
+                run_one=lambda n: run_level(load, n, duration, spec, warmup_s=warmup),
+                usage=lambda: controller_usage(c.stats()))
             if http_overhead:
                 http_vs_grpc = _http_overhead(c, HttpClient(f"{http_url.rstrip('/')}/{app_name}", api_key),
                                               http_overhead, spec, [p for p in policies.split(",") if p], console)
@@ -492,12 +497,14 @@ def _http_overhead(c, http, n: int, spec, pols: list[str], console) -> dict:
     return h
 
 
-def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, switch, run_one) -> list:
+def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, switch, run_one,
+                        usage=None) -> list:
     """Per level, ``rounds`` runs of every policy, interleaved (order reversed every other
     round, so drift in the machine's load hits every policy alike; each run has its own
     warm-up); one printed and returned summary per (level, policy). ``current()`` names the
     policy in force, ``switch(policy, reset)`` changes it, ``run_one(concurrency)`` returns
-    one run's (records, window)."""
+    one run's (records, window); ``usage()`` (optional) the controller's CPU seconds so far,
+    (in the policy's calls, in its whole process or None), read around every run."""
     from adaptspec.serve.loadtest import as_arrivals, summarize, top_arm
 
     results = []
@@ -505,22 +512,41 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
         recs: dict[str, list] = {p: [] for p in pols}
         windows: dict[str, list] = {p: [] for p in pols}
         per_round: dict[str, list[float]] = {p: [] for p in pols}
+        cpu: dict[str, list[float]] = {p: [0.0, 0.0, 0.0] for p in pols}  # wall, policy, process seconds
         for r in range(rounds):
             for pol in pols if r % 2 == 0 else pols[::-1]:
                 if fresh or pol != current():
                     switch(pol, fresh)
+                before, t0 = usage() if usage else None, time.perf_counter()
                 got, window = run_one(n)
+                if before is not None:
+                    after = usage()
+                    cpu[pol][0] += time.perf_counter() - t0
+                    cpu[pol][1] += after[0] - before[0]
+                    cpu[pol][2] = cpu[pol][2] + after[1] - before[1] if None not in (after[1], before[1]) else None
                 recs[pol] += got
                 windows[pol].append(window)
                 per_round[pol].append(summarize(pol, n, got, window, spec).throughput_tokens_per_s)
         for pol in pols:
             s = summarize(pol, n, recs[pol], windows[pol], spec)
             s.round_tokens_per_s = per_round[pol] if rounds > 1 else []
+            wall, policy_s, process_s = cpu[pol]
+            if wall > 0:
+                s.policy_cpu_share = policy_s / wall
+                s.controller_cpu_share = None if process_s is None else process_s / wall
             results.append(s)
+            load = (f"  controller CPU {s.controller_cpu_share:.1%} of a core (policy {s.policy_cpu_share:.1%})"
+                    if s.controller_cpu_share is not None else
+                    f"  policy CPU {s.policy_cpu_share:.1%} of a core" if s.policy_cpu_share is not None else "")
             console.print(f"{pol:>18} {as_arrivals(n).label:<6} {s.throughput_tokens_per_s:7.1f} tok/s  goodput "
                           f"{s.goodput_requests_per_s:5.2f} req/s  e2e p50 {s.e2e_p50_s:.2f}s  "
-                          f"arms {', '.join(f'{k}:{top_arm(v)}' for k, v in s.arms.items())}")
+                          f"arms {', '.join(f'{k}:{top_arm(v)}' for k, v in s.arms.items())}{load}")
     return results
+
+
+def controller_usage(stats) -> tuple[float, float | None]:
+    """(policy CPU seconds, controller process CPU seconds or None) from a GetStatsResponse."""
+    return stats.policy_cpu_s, stats.controller_cpu_s if stats.HasField("controller_cpu_s") else None
 
 
 def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration, warmup, rounds, fresh, json_path,
@@ -546,7 +572,8 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
             return out
 
         results = _interleaved_levels(levels, pols, rounds, fresh, spec, console, current=svc.policy,
-                                      switch=lambda p, reset: svc.update_policy(p, reset=reset), run_one=run_one)
+                                      switch=lambda p, reset: svc.update_policy(p, reset=reset), run_one=run_one,
+                                      usage=lambda: (svc.core.policy_cpu_s, None))
     t = Table(title="loadtest (in-process: engine and controller, no Serve, no gRPC)")
     for col in ("policy", "conc.", "req", "tok/s", "tok per decode-s", "TTFT p50/p99", "TPOT p50/p99",
                 "gap p99/max", "arms (top per class)"):

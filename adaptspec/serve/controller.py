@@ -56,6 +56,10 @@ class StatsView:
     policy: str
     version: int
     uptime_s: float
+    # CPU seconds since start: in the policy's own calls (observing reports, choosing arms), and
+    # the controller's whole process (None where it is not the controller's alone: in-process)
+    policy_cpu_s: float = 0.0
+    process_cpu_s: float | None = None
 
 
 @dataclass(slots=True)
@@ -77,10 +81,14 @@ class PolicyUpdate:
 
 
 class ControlCore:
-    def __init__(self, config: ServiceConfig, *, clock=time.monotonic):
+    def __init__(self, config: ServiceConfig, *, clock=time.monotonic, own_process: bool = False):
         self.config = config
         self.clock = clock
         self.started = clock()
+        # own_process: the controller has the process to itself (the Serve deployment), so the
+        # process's CPU time is the controller's and stats report it
+        self.own_process = own_process
+        self.policy_cpu_s = 0.0
         self.drafters = config.drafters
         self.max_k = config.controller.max_k
         self.targets = tuple(ClassTarget(c.name, c.tpot_s, c.ttft_s) for c in config.classes
@@ -112,8 +120,13 @@ class ControlCore:
     # ---- replicas ------------------------------------------------------------------------
     def report(self, rep: ReplicaReport) -> PolicySnapshot:
         now = self.clock()
+        # The policy's CPU time (this thread's, so time spent waiting for the GIL or the core is
+        # not counted): what adapting costs the node beside the engine, which a static policy
+        # hardly pays; on a CPU replica it is taken from the cores the engine runs on.
+        cpu0 = time.thread_time()
         for outcome in rep.outcomes:
             self.policy.observe(outcome)
+        self.policy_cpu_s += time.thread_time() - cpu0
         for d in rep.classes:
             self._add(d, now)
         st = rep.state
@@ -141,7 +154,9 @@ class ControlCore:
 
     def _refresh(self, load: Load) -> PolicySnapshot:
         free = [c for c in self.classes if c not in self.pins]
+        cpu0 = time.thread_time()
         self.current.update(zip(free, self.policy.choose_many(free, load) if free else []))
+        self.policy_cpu_s += time.thread_time() - cpu0
         self.current.update((c, arm) for c, arm in self.pins.items() if c in self.classes)
         self.version += 1
         return self.snapshot()
@@ -162,7 +177,8 @@ class ControlCore:
             v.current_arm = str(self.current.get(c, NO_SPEC))
             v.pinned = c in self.pins
             views.append(v)
-        return StatsView(views, list(self.replicas.values()), self.policy_name, self.version, now - self.started)
+        return StatsView(views, list(self.replicas.values()), self.policy_name, self.version, now - self.started,
+                         self.policy_cpu_s, time.process_time() if self.own_process else None)
 
     def policy_view(self) -> PolicyView:
         return PolicyView(self.policy_name, [(c, str(self.current.get(c, NO_SPEC)), c in self.pins)
@@ -308,7 +324,7 @@ class Controller:
     async def __init__(self, config: dict):
         cfg = ServiceConfig.model_validate(config)
         lower_priority(cfg.controller.niceness)
-        self.core = ControlCore(cfg)
+        self.core = ControlCore(cfg, own_process=True)
         self.store = CheckpointStore(cfg.controller.checkpoint, cfg.app_name) if cfg.controller.checkpoint else None
         self._saved_version = -1
         self._task = None

@@ -106,7 +106,8 @@ def to_stats(view) -> pb.GetStatsResponse:
                                   step_time_s=r.step_time_s, steps=r.steps, tokens_per_s=r.tokens_per_s,
                                   drafter_faults=r.drafter_faults, in_flight=r.in_flight,
                                   free_slots=r.free_slots) for r in view.replicas],
-        policy=view.policy, policy_version=view.version, uptime_s=view.uptime_s)
+        policy=view.policy, policy_version=view.version, uptime_s=view.uptime_s, policy_cpu_s=view.policy_cpu_s,
+        controller_cpu_s=view.process_cpu_s)
 
 
 def to_policy_state(view) -> pb.PolicyState:

@@ -140,6 +140,11 @@ class LevelSummary:
     # each round's throughput alone, in the order the rounds ran (several rounds: see
     # cli.adaptive_vs_static, which pairs them across policies)
     round_tokens_per_s: list[float] = field(default_factory=list)
+    # the share of one core the controller spent over this policy's runs (warm-ups included):
+    # in the policy's own calls, and in its whole process (None: not measured, or the controller
+    # shares its process with the engine, in-process)
+    policy_cpu_share: float | None = None
+    controller_cpu_share: float | None = None
 
 
 @dataclass(slots=True)

@@ -101,3 +101,33 @@ def test_interleaved_levels_keep_each_rounds_throughput():
                               current=lambda: state["policy"], switch=lambda p, reset: state.update(policy=p),
                               run_one=run_one)
     assert one[0].round_tokens_per_s == []
+
+
+def test_interleaved_levels_charge_the_controllers_cpu_to_the_policy_that_ran(monkeypatch):
+    """The controller's CPU seconds read around each run go to the policy of that run, as a share
+    of a core over its runs' wall time; a process reading of None leaves the process share out."""
+    from rich.console import Console
+
+    from adaptspec.serve import cli
+
+    clock = {"t": 0.0}
+    monkeypatch.setattr(cli.time, "perf_counter", lambda: clock["t"])
+    state = {"policy": "a", "cpu": [0.0, 0.0]}
+
+    def run_one(n):  # each run lasts 10 s; "a" costs 1 policy CPU second and 2 of the process, "b" none
+        clock["t"] += 10.0
+        if state["policy"] == "a":
+            state["cpu"][0] += 1.0
+            state["cpu"][1] += 2.0
+        return [_rec(clock["t"] - 10.0, 0.1, [clock["t"] - 9.0])], Window(clock["t"] - 10.0, clock["t"])
+
+    kw = dict(current=lambda: state["policy"], switch=lambda p, reset: state.update(policy=p), run_one=run_one)
+    a, b = cli._interleaved_levels([4], ["a", "b"], 2, False, SPEC, Console(file=None, quiet=True),
+                                   usage=lambda: tuple(state["cpu"]), **kw)
+    assert (a.policy_cpu_share, a.controller_cpu_share) == (0.1, 0.2)
+    assert (b.policy_cpu_share, b.controller_cpu_share) == (0.0, 0.0)
+    a, _ = cli._interleaved_levels([4], ["a", "b"], 1, False, SPEC, Console(file=None, quiet=True),
+                                   usage=lambda: (state["cpu"][0], None), **kw)
+    assert (a.policy_cpu_share, a.controller_cpu_share) == (0.1, None)
+    a, _ = cli._interleaved_levels([4], ["a", "b"], 1, False, SPEC, Console(file=None, quiet=True), **kw)
+    assert (a.policy_cpu_share, a.controller_cpu_share) == (None, None)  # not measured

@@ -726,3 +726,43 @@ def _nice_child(q) -> None:
     threads = {int(x): os.getpriority(os.PRIO_PROCESS, int(x)) for x in os.listdir("/proc/self/task")}
     stop.set()
     q.put({"returned": returned, "threads": threads, "later_thread": later["n"], "want": want, "unchanged": unchanged})
+
+
+def test_controller_core_counts_the_policys_cpu_and_stats_carry_it():
+    """``policy_cpu_s`` is the CPU time spent inside the policy's calls (here an observe that burns
+    a known 30 ms of this thread's CPU); the process's CPU is reported only by a controller that
+    has its process to itself."""
+    import time
+
+    from adaptspec.control import StepOutcome
+    from adaptspec.control.types import RequestOutcome
+    from adaptspec.serve.controller import ControlCore
+    from adaptspec.serve.convert import to_stats
+    from adaptspec.serve.types import ClassDelta, ReplicaReport, ReplicaState
+
+    cfg = ServiceConfig.model_validate({"models": {"draft": None}, "classes": [{"name": "chat"}]})
+    shared, own = ControlCore(cfg), ControlCore(cfg, own_process=True)
+    out = StepOutcome.from_requests([RequestOutcome("r", "chat", "ngram", 2, 1, 2)], batch_size=1, num_prefill=0,
+                                    verify_tokens=3, context_tokens=10, draft_s=0.001, verify_s=0.01,
+                                    other_s=0.001, wall_s=0.012)
+    observe = shared.policy.observe
+
+    def burning(outcome):
+        t0 = time.thread_time()
+        while time.thread_time() - t0 < 0.03:
+            pass
+        observe(outcome)
+
+    shared.policy.observe = burning
+    rep = ReplicaReport(ReplicaState("r1", batch_size=1), [out],
+                        [ClassDelta("chat", requests=1, drafted=2, accepted=1, emitted=2, steps=1)], 0.25)
+    before = shared.stats().policy_cpu_s  # the first choice of arms, at start
+    shared.report(rep)
+    st = shared.stats()
+    assert 0.03 <= st.policy_cpu_s - before < 1.0 and st.process_cpu_s is None
+    pb = to_stats(st)
+    assert pb.policy_cpu_s == st.policy_cpu_s and not pb.HasField("controller_cpu_s")
+    own.report(rep)
+    st = own.stats()
+    assert st.process_cpu_s >= st.policy_cpu_s > 0.0  # the process's CPU since it started holds the policy's
+    assert to_stats(st).controller_cpu_s == st.process_cpu_s
