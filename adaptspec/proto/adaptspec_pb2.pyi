@@ -179,7 +179,7 @@ class ReplicaStats(_message.Message):
     def __init__(self, replica_id: _Optional[str] = ..., batch_size: _Optional[int] = ..., num_waiting: _Optional[int] = ..., step_time_s: _Optional[float] = ..., steps: _Optional[int] = ..., tokens_per_s: _Optional[float] = ..., drafter_faults: _Optional[int] = ..., in_flight: _Optional[int] = ..., free_slots: _Optional[int] = ...) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("classes", "replicas", "policy", "policy_version", "uptime_s", "policy_cpu_s", "controller_cpu_s")
+    __slots__ = ("classes", "replicas", "policy", "policy_version", "uptime_s", "policy_cpu_s", "controller_cpu_s", "cost_check")
     CLASSES_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class GetStatsResponse(_message.Message):
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     POLICY_CPU_S_FIELD_NUMBER: _ClassVar[int]
     CONTROLLER_CPU_S_FIELD_NUMBER: _ClassVar[int]
+    COST_CHECK_FIELD_NUMBER: _ClassVar[int]
     classes: _containers.RepeatedCompositeFieldContainer[ClassStats]
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
     policy: str
@@ -194,7 +195,24 @@ class GetStatsResponse(_message.Message):
     uptime_s: float
     policy_cpu_s: float
     controller_cpu_s: float
-    def __init__(self, classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., policy: _Optional[str] = ..., policy_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., policy_cpu_s: _Optional[float] = ..., controller_cpu_s: _Optional[float] = ...) -> None: ...
+    cost_check: _containers.RepeatedCompositeFieldContainer[CostCheckRow]
+    def __init__(self, classes: _Optional[_Iterable[_Union[ClassStats, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ..., policy: _Optional[str] = ..., policy_version: _Optional[int] = ..., uptime_s: _Optional[float] = ..., policy_cpu_s: _Optional[float] = ..., controller_cpu_s: _Optional[float] = ..., cost_check: _Optional[_Iterable[_Union[CostCheckRow, _Mapping]]] = ...) -> None: ...
+
+class CostCheckRow(_message.Message):
+    __slots__ = ("verify_tokens_from", "verify_tokens_to", "drafted", "steps", "predicted_s", "measured_s")
+    VERIFY_TOKENS_FROM_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_TOKENS_TO_FIELD_NUMBER: _ClassVar[int]
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_S_FIELD_NUMBER: _ClassVar[int]
+    MEASURED_S_FIELD_NUMBER: _ClassVar[int]
+    verify_tokens_from: int
+    verify_tokens_to: int
+    drafted: bool
+    steps: int
+    predicted_s: float
+    measured_s: float
+    def __init__(self, verify_tokens_from: _Optional[int] = ..., verify_tokens_to: _Optional[int] = ..., drafted: _Optional[bool] = ..., steps: _Optional[int] = ..., predicted_s: _Optional[float] = ..., measured_s: _Optional[float] = ...) -> None: ...
 
 class GetPolicyRequest(_message.Message):
     __slots__ = ()

@@ -186,6 +186,10 @@ def stats_table(st, title: str = "AdaptSpec"):
         t.caption = ((t.caption + "\n") if t.caption else "") + (
             f"controller: {st.controller_cpu_s:.1f} CPU s since start ({st.controller_cpu_s / st.uptime_s:.1%} of a "
             f"core), {st.policy_cpu_s:.1f} of them in the policy")
+    if len(st.cost_check):
+        rows = [{"drafted": r.drafted, "steps": r.steps, "predicted_ms": 1e3 * r.predicted_s / r.steps,
+                 "measured_ms": 1e3 * r.measured_s / r.steps} for r in st.cost_check if r.steps]
+        t.caption = ((t.caption + "\n") if t.caption else "") + "policy's " + cost_check_line(rows)
     return t
 
 
@@ -503,8 +507,10 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
     round, so drift in the machine's load hits every policy alike; each run has its own
     warm-up); one printed and returned summary per (level, policy). ``current()`` names the
     policy in force, ``switch(policy, reset)`` changes it, ``run_one(concurrency)`` returns
-    one run's (records, window); ``usage()`` (optional) the controller's CPU seconds so far,
-    (in the policy's calls, in its whole process or None), read around every run."""
+    one run's (records, window); ``usage()`` (optional) the controller's counters so far, read
+    around every run: CPU seconds in the policy's calls, in its whole process (or None), and
+    its cost check's rows ({(from, drafted): [steps, predicted s, measured s]})."""
+    from adaptspec.serve.controller import CostCheck
     from adaptspec.serve.loadtest import as_arrivals, summarize, top_arm
 
     results = []
@@ -513,6 +519,7 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
         windows: dict[str, list] = {p: [] for p in pols}
         per_round: dict[str, list[float]] = {p: [] for p in pols}
         cpu: dict[str, list[float]] = {p: [0.0, 0.0, 0.0] for p in pols}  # wall, policy, process seconds
+        checks: dict[str, CostCheck] = {p: CostCheck() for p in pols}  # each policy's steps at this level
         for r in range(rounds):
             for pol in pols if r % 2 == 0 else pols[::-1]:
                 if fresh or pol != current():
@@ -524,6 +531,11 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
                     cpu[pol][0] += time.perf_counter() - t0
                     cpu[pol][1] += after[0] - before[0]
                     cpu[pol][2] = cpu[pol][2] + after[1] - before[1] if None not in (after[1], before[1]) else None
+                    for key, row in after[2].items():
+                        old = before[2].get(key, (0.0, 0.0, 0.0))
+                        got_row = checks[pol].rows.setdefault(key, [0.0, 0.0, 0.0])
+                        for i in range(3):
+                            got_row[i] += row[i] - old[i]
                 recs[pol] += got
                 windows[pol].append(window)
                 per_round[pol].append(summarize(pol, n, got, window, spec).throughput_tokens_per_s)
@@ -534,6 +546,7 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
             if wall > 0:
                 s.policy_cpu_share = policy_s / wall
                 s.controller_cpu_share = None if process_s is None else process_s / wall
+            s.cost_check = checks[pol].table()
             results.append(s)
             load = (f"  controller CPU {s.controller_cpu_share:.1%} of a core (policy {s.policy_cpu_share:.1%})"
                     if s.controller_cpu_share is not None else
@@ -541,12 +554,40 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
             console.print(f"{pol:>18} {as_arrivals(n).label:<6} {s.throughput_tokens_per_s:7.1f} tok/s  goodput "
                           f"{s.goodput_requests_per_s:5.2f} req/s  e2e p50 {s.e2e_p50_s:.2f}s  "
                           f"arms {', '.join(f'{k}:{top_arm(v)}' for k, v in s.arms.items())}{load}")
+            if s.cost_check:
+                console.print(f"{'':>18} {'':<6} {cost_check_line(s.cost_check)}")
     return results
 
 
-def controller_usage(stats) -> tuple[float, float | None]:
-    """(policy CPU seconds, controller process CPU seconds or None) from a GetStatsResponse."""
-    return stats.policy_cpu_s, stats.controller_cpu_s if stats.HasField("controller_cpu_s") else None
+def controller_usage(stats) -> tuple[float, float | None, dict]:
+    """(policy CPU seconds, controller process CPU seconds or None, cost check rows) from a
+    GetStatsResponse (see ``_interleaved_levels``)."""
+    rows = {(r.verify_tokens_from, r.drafted): (float(r.steps), r.predicted_s, r.measured_s) for r in stats.cost_check}
+    return stats.policy_cpu_s, stats.controller_cpu_s if stats.HasField("controller_cpu_s") else None, rows
+
+
+def cost_check_line(rows: list[dict]) -> str:
+    """The learned step time over the measured one, for plain steps and steps with drafted rows."""
+    parts = []
+    for drafted, name in ((False, "plain steps"), (True, "steps with drafted rows")):
+        sel = [r for r in rows if r["drafted"] == drafted]
+        n = sum(r["steps"] for r in sel)
+        if n:
+            pred, meas = (sum(r[k] * r["steps"] for r in sel) for k in ("predicted_ms", "measured_ms"))
+            parts.append(f"{name} {pred / meas:.3f} ({n})")
+    return "predicted / measured step time: " + ", ".join(parts)
+
+
+def cost_check_table(policy: str, rows: list[dict]):
+    from rich.table import Table
+
+    ct = Table(title=f"{policy}: the controller's step time (decode part) against the measured one")
+    for col in ("verify tokens", "drafted rows", "steps", "predicted ms", "measured ms"):
+        ct.add_column(col)
+    for row in rows:
+        ct.add_row(row["verify_tokens"], "yes" if row["drafted"] else "no", str(row["steps"]),
+                   f"{row['predicted_ms']:.1f}", f"{row['measured_ms']:.1f}")
+    return ct
 
 
 def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration, warmup, rounds, fresh, json_path,
@@ -573,7 +614,7 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
 
         results = _interleaved_levels(levels, pols, rounds, fresh, spec, console, current=svc.policy,
                                       switch=lambda p, reset: svc.update_policy(p, reset=reset), run_one=run_one,
-                                      usage=lambda: (svc.core.policy_cpu_s, None))
+                                      usage=svc.usage)
     t = Table(title="loadtest (in-process: engine and controller, no Serve, no gRPC)")
     for col in ("policy", "conc.", "req", "tok/s", "tok per decode-s", "TTFT p50/p99", "TPOT p50/p99",
                 "gap p99/max", "arms (top per class)"):
@@ -595,14 +636,9 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
     for line in adaptive_vs_static(results, lambda s: per_decode_s.get((s.policy, s.level), 0.0),
                                    verdict=False, rounds=None):
         console.print(line + " per decode-second")
-    checks = {p: c.table() for p, c in svc.cost_checks.items() if c.rows}
+    checks = {p: c.table() for p, c in svc.core.cost_checks.items() if c.rows}
     for pol, rows in checks.items():
-        ct = Table(title=f"{pol}: the controller's step time (decode part) against the measured one")
-        for col in ("verify tokens", "steps", "predicted ms", "measured ms"):
-            ct.add_column(col)
-        for row in rows:
-            ct.add_row(row["verify_tokens"], str(row["steps"]), f"{row['predicted_ms']:.1f}", f"{row['measured_ms']:.1f}")
-        console.print(ct)
+        console.print(cost_check_table(pol, rows))
     if json_path:
         data = json.loads(as_json(results, prompts=spec.prompts_from))
         for lv in data["levels"]:

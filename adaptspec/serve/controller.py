@@ -15,9 +15,11 @@ import time
 from pathlib import Path
 from dataclasses import dataclass, field
 
+import numpy as np
 from ray import serve
 
-from adaptspec.control import NO_SPEC, Arm, ClassTarget, Load
+from adaptspec.control import NO_SPEC, Arm, ClassTarget, Load, StepOutcome
+from adaptspec.control.base import draft_positions
 from adaptspec.serve.config import ServiceConfig
 from adaptspec.serve.policies import AVAILABLE, load_cost_prior, make_policy
 from adaptspec.serve.types import ClassDelta, PolicySnapshot, ReplicaReport, ReplicaState
@@ -50,6 +52,39 @@ class ClassView:
 
 
 @dataclass(slots=True)
+class CostCheck:
+    """A model-based policy's predicted step time (the decode part: what it ranks arms by)
+    against the measured one, summed per row: verify tokens in buckets of ``bucket``,
+    steps with drafted rows (more verify tokens than decoding requests) apart from plain ones.
+    Each step is predicted before the policy learns from it. Why apart: a cost model that prices
+    plain steps right and drafted rows low steers the policy into speculation that does not pay,
+    and a mean over both hides it. Sums, not samples: the controller keeps one for as long as it runs."""
+
+    rows: dict[tuple[int, bool], list[float]] = field(default_factory=dict)  # -> [steps, predicted s, measured s]
+    bucket: int = 8  # verify tokens a row spans
+
+    def add(self, policy, outcome: StepOutcome) -> None:
+        cost = getattr(policy, "cost", None)
+        if cost is None or not outcome.groups:
+            return
+        n_dec = sum(g.num_requests for g in outcome.groups)
+        batch, ngram = draft_positions(outcome, policy.config.max_k)
+        pred = cost.predict(np.array([float(outcome.verify_tokens)]), outcome.context_tokens, batch, 0.0,
+                            np.zeros(1), np.array([float(ngram)]), outcome.context_tokens / max(n_dec, 1))
+        drafted = outcome.verify_tokens - outcome.num_prefill > n_dec
+        row = self.rows.setdefault((outcome.verify_tokens // self.bucket * self.bucket, drafted), [0.0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += float(pred[0])
+        row[2] += outcome.verify_s + outcome.draft_s + outcome.other_s
+
+    def table(self) -> list[dict]:
+        """Per row: verify tokens (\"8-15\"), drafted, steps, mean predicted and measured ms."""
+        return [{"verify_tokens": f"{b}-{b + self.bucket - 1}", "drafted": d, "steps": int(n),
+                 "predicted_ms": 1e3 * p / n, "measured_ms": 1e3 * m / n}
+                for (b, d), (n, p, m) in sorted(self.rows.items()) if n > 0]
+
+
+@dataclass(slots=True)
 class StatsView:
     classes: list[ClassView]
     replicas: list[ReplicaState]
@@ -60,6 +95,7 @@ class StatsView:
     # the controller's whole process (None where it is not the controller's alone: in-process)
     policy_cpu_s: float = 0.0
     process_cpu_s: float | None = None
+    cost_check: CostCheck | None = None  # the policy in force's (None: it has no cost model)
 
 
 @dataclass(slots=True)
@@ -89,6 +125,7 @@ class ControlCore:
         # process's CPU time is the controller's and stats report it
         self.own_process = own_process
         self.policy_cpu_s = 0.0
+        self.cost_checks: dict[str, CostCheck] = {}  # per policy name: its cost model against the steps
         self.drafters = config.drafters
         self.max_k = config.controller.max_k
         self.targets = tuple(ClassTarget(c.name, c.tpot_s, c.ttft_s) for c in config.classes
@@ -123,6 +160,10 @@ class ControlCore:
         # The policy's CPU time (this thread's, so time spent waiting for the GIL or the core is
         # not counted): what adapting costs the node beside the engine, which a static policy
         # hardly pays; on a CPU replica it is taken from the cores the engine runs on.
+        if getattr(self.policy, "cost", None) is not None:
+            check = self.cost_checks.setdefault(self.policy_name, CostCheck())
+            for outcome in rep.outcomes:  # what the policy predicted for each step before it learns from it
+                check.add(self.policy, outcome)
         cpu0 = time.thread_time()
         for outcome in rep.outcomes:
             self.policy.observe(outcome)
@@ -178,7 +219,8 @@ class ControlCore:
             v.pinned = c in self.pins
             views.append(v)
         return StatsView(views, list(self.replicas.values()), self.policy_name, self.version, now - self.started,
-                         self.policy_cpu_s, time.process_time() if self.own_process else None)
+                         self.policy_cpu_s, time.process_time() if self.own_process else None,
+                         self.cost_checks.get(self.policy_name))
 
     def policy_view(self) -> PolicyView:
         return PolicyView(self.policy_name, [(c, str(self.current.get(c, NO_SPEC)), c in self.pins)

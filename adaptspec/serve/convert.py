@@ -107,7 +107,10 @@ def to_stats(view) -> pb.GetStatsResponse:
                                   drafter_faults=r.drafter_faults, in_flight=r.in_flight,
                                   free_slots=r.free_slots) for r in view.replicas],
         policy=view.policy, policy_version=view.version, uptime_s=view.uptime_s, policy_cpu_s=view.policy_cpu_s,
-        controller_cpu_s=view.process_cpu_s)
+        controller_cpu_s=view.process_cpu_s,
+        cost_check=[pb.CostCheckRow(verify_tokens_from=b, verify_tokens_to=b + view.cost_check.bucket - 1, drafted=d,
+                                    steps=int(n), predicted_s=p, measured_s=m)
+                    for (b, d), (n, p, m) in sorted(view.cost_check.rows.items())] if view.cost_check else [])
 
 
 def to_policy_state(view) -> pb.PolicyState:

@@ -6,7 +6,7 @@ arms of the latest policy snapshot; the step stats go to the controller every
 ``controller.report_interval_s`` as a ``ReplicaReport``), from the same prompts and classes
 as the gRPC load test. What it leaves out is Serve and gRPC, whose work shares the CPU with
 the engine on a small machine and makes runs noisier: it answers "which policy, and is the
-controller's model of the step right?" in minutes. ``CostCheck`` compares the controller's
+controller's model of the step right?" in minutes. The controller's ``CostCheck`` compares its
 predicted step times with the measured ones (the check that found the prefill pass booked as
 overhead, 2026-12-01). ``decode`` counts, per (policy, concurrency), the tokens the steps
 emitted and the steps' seconds less their prefill pass, over the reports inside the measured
@@ -18,12 +18,10 @@ from __future__ import annotations
 
 import heapq
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from adaptspec import SamplingParams
-from adaptspec.control.base import draft_positions
 from adaptspec.control.types import StepOutcome
 from adaptspec.serve.config import ServiceConfig
 from adaptspec.serve.controller import ControlCore, PolicyUpdate
@@ -31,33 +29,6 @@ from adaptspec.serve.loadtest import (Arrivals, LoadSpec, RequestRecord, Window,
                                       pick_prompt, with_context)
 from adaptspec.serve.loop import _spec, apply_arms, class_deltas, engine_state
 from adaptspec.serve.types import ReplicaReport
-
-
-@dataclass(slots=True)
-class CostCheck:
-    """The model-based policy's predicted step time (decode part: what it ranks arms by)
-    against the measured one, by verify tokens (buckets of 8)."""
-
-    rows: dict[int, list[tuple[float, float]]] = field(default_factory=dict)
-
-    def add(self, policy, outcome: StepOutcome) -> None:
-        cost = getattr(policy, "cost", None)
-        if cost is None or not outcome.groups:
-            return
-        n_dec = sum(g.num_requests for g in outcome.groups)
-        batch, ngram = draft_positions(outcome, policy.config.max_k)
-        pred = cost.predict(np.array([float(outcome.verify_tokens)]), outcome.context_tokens, batch, 0.0,
-                            np.zeros(1), np.array([float(ngram)]), outcome.context_tokens / max(n_dec, 1))
-        measured = outcome.verify_s + outcome.draft_s + outcome.other_s
-        self.rows.setdefault(outcome.verify_tokens // 8 * 8, []).append((float(pred[0]), measured))
-
-    def table(self) -> list[dict]:
-        out = []
-        for b in sorted(self.rows):
-            a = np.array(self.rows[b])
-            out.append({"verify_tokens": f"{b}-{b + 7}", "steps": len(a), "predicted_ms": 1e3 * float(a[:, 0].mean()),
-                        "measured_ms": 1e3 * float(a[:, 1].mean())})
-        return out
 
 
 class InProcessService:
@@ -72,7 +43,6 @@ class InProcessService:
         self.drafters = ("none", *self.engine.proposers)
         self._steps: list = []
         self.engine.step_listeners.append(self._steps.append)
-        self.cost_checks: dict[str, CostCheck] = {}
         self.decode: dict[tuple[str, str], list[float]] = {}  # (policy, level label) -> [tokens, seconds]
         self.step_walls: dict[int, list[float]] = {}  # id(decode tally) -> wall seconds of its measured steps
         # request id -> its prompt's index in its class's pool (an acceptance recorder keys on it)
@@ -80,6 +50,12 @@ class InProcessService:
 
     def policy(self) -> str:
         return self.core.policy_name
+
+    def usage(self) -> tuple[float, None, dict]:
+        """The controller's counters, as ``cli.controller_usage`` reads them off the service (no
+        process CPU: the controller shares this process with the engine)."""
+        check = self.core.cost_checks.get(self.core.policy_name)
+        return self.core.policy_cpu_s, None, {k: tuple(v) for k, v in check.rows.items()} if check else {}
 
     def update_policy(self, name: str, reset: bool = False) -> None:
         self.core.update(PolicyUpdate(policy=name, reset=reset))
@@ -95,7 +71,6 @@ class InProcessService:
         arr = as_arrivals(concurrency)
         prompts = spec.pools()
         interval = self.cfg.controller.report_interval_s
-        check = self.cost_checks.setdefault(core.policy_name, CostCheck())
         tally = self.decode.setdefault((core.policy_name, arr.label), [0.0, 0.0])
         records: dict[str, RequestRecord] = {}
         done: list[RequestRecord] = []
@@ -152,7 +127,7 @@ class InProcessService:
                     if not arr.open:
                         heapq.heappush(due, now + arr.pause(think))
             if now - last >= interval:
-                snap = self._report(now - last, check, tally if now in window else None)
+                snap = self._report(now - last, tally if now in window else None)
                 last = now
         now = time.perf_counter()
         for rid, rec in records.items():  # still running at the end: cut, as the gRPC test cancels them
@@ -160,7 +135,7 @@ class InProcessService:
             self.prompt_of.pop(rid, None)
             rec.e2e_s, rec.cut = now - rec.start_s, True
             done.append(rec)
-        self._report(now - last, check, tally)
+        self._report(now - last, tally)
         return done, window
 
     def step_wall(self, policy: str, level: str) -> tuple[float, float]:
@@ -168,7 +143,7 @@ class InProcessService:
         walls = self.step_walls.get(id(self.decode.get((policy, level))), [])
         return (float(np.median(walls)), max(walls)) if walls else (0.0, 0.0)
 
-    def _report(self, interval_s: float, check: CostCheck, tally: list[float] | None):
+    def _report(self, interval_s: float, tally: list[float] | None):
         """Send the steps since the last report to the controller; returns its new snapshot."""
         steps, self._steps[:] = list(self._steps), []
         if not steps:
@@ -178,8 +153,6 @@ class InProcessService:
             tally[1] += sum(s.wall_s - s.prefill_s for s in steps)
             self.step_walls.setdefault(id(tally), []).extend(s.wall_s for s in steps)
         outcomes = [StepOutcome.from_step_stats(s) for s in steps]
-        for o in outcomes:  # what the policy predicted for this step before it learned from it
-            check.add(self.core.policy, o)
         state = engine_state(self.engine)
         state.replica_id = "in-process"
         return self.core.report(ReplicaReport(state, outcomes, list(class_deltas(steps).values()), interval_s))

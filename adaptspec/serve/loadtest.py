@@ -145,6 +145,9 @@ class LevelSummary:
     # shares its process with the engine, in-process)
     policy_cpu_share: float | None = None
     controller_cpu_share: float | None = None
+    # a model-based policy's step-cost model against the steps of its runs (the controller's
+    # CostCheck rows: verify_tokens, drafted, steps, predicted_ms, measured_ms); empty: none
+    cost_check: list[dict] = field(default_factory=list)
 
 
 @dataclass(slots=True)

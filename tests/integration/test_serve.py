@@ -150,6 +150,10 @@ def test_stats_and_policy_update(service):
     st = _wait_for(lambda: (s := client.stats()) and sum(c.requests for c in s.classes) > 0 and s, "stats")
     assert {c.request_class for c in st.classes} >= set(CLASSES)
     assert st.policy == "thompson" and st.replicas and st.replicas[0].steps > 0
+    # the controller's own CPU (its Serve actor's process) and thompson's cost model against the steps
+    assert st.HasField("controller_cpu_s") and st.controller_cpu_s >= st.policy_cpu_s > 0
+    st = _wait_for(lambda: (s := client.stats()) and s.cost_check and s, "the cost check's first steps")
+    assert all(r.steps > 0 and r.predicted_s > 0 and r.measured_s > 0 for r in st.cost_check)
 
     pol = client.update_policy("ucb", pins={"chat": ("ngram", 2)})
     assert pol.policy == "ucb"

@@ -123,11 +123,11 @@ def test_interleaved_levels_charge_the_controllers_cpu_to_the_policy_that_ran(mo
 
     kw = dict(current=lambda: state["policy"], switch=lambda p, reset: state.update(policy=p), run_one=run_one)
     a, b = cli._interleaved_levels([4], ["a", "b"], 2, False, SPEC, Console(file=None, quiet=True),
-                                   usage=lambda: tuple(state["cpu"]), **kw)
+                                   usage=lambda: (*state["cpu"], {}), **kw)
     assert (a.policy_cpu_share, a.controller_cpu_share) == (0.1, 0.2)
     assert (b.policy_cpu_share, b.controller_cpu_share) == (0.0, 0.0)
     a, _ = cli._interleaved_levels([4], ["a", "b"], 1, False, SPEC, Console(file=None, quiet=True),
-                                   usage=lambda: (state["cpu"][0], None), **kw)
+                                   usage=lambda: (state["cpu"][0], None, {}), **kw)
     assert (a.policy_cpu_share, a.controller_cpu_share) == (0.1, None)
     a, _ = cli._interleaved_levels([4], ["a", "b"], 1, False, SPEC, Console(file=None, quiet=True), **kw)
     assert (a.policy_cpu_share, a.controller_cpu_share) == (None, None)  # not measured

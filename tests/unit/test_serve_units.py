@@ -682,6 +682,7 @@ def test_loadtest_in_process_drives_the_engine_and_the_controller(tiny_dir, tiny
     assert {a for per in static.values() for a in per} == {"none:0"}  # the policy switch took effect
     rows = data["cost_check"]["thompson"]  # the model-based policy's predictions, checked against the steps
     assert rows and all(r["steps"] > 0 and r["predicted_ms"] > 0 and r["measured_ms"] > 0 for r in rows)
+    assert data["levels"][0]["cost_check"] and not data["levels"][1]["cost_check"]  # per level, thompson's only
     assert "static:none:0" not in data["cost_check"]  # a static policy predicts nothing
     bad = CliRunner().invoke(app, common + ["--start"])
     assert bad.exit_code == 2 and "--in-process" in bad.output and "--start" in bad.output
@@ -731,12 +732,13 @@ def _nice_child(q) -> None:
 def test_controller_core_counts_the_policys_cpu_and_stats_carry_it():
     """``policy_cpu_s`` is the CPU time spent inside the policy's calls (here an observe that burns
     a known 30 ms of this thread's CPU); the process's CPU is reported only by a controller that
-    has its process to itself."""
+    has its process to itself; the cost check sums the model-based policy's predicted and measured
+    step times apart for steps with drafted rows and plain ones."""
     import time
 
     from adaptspec.control import StepOutcome
     from adaptspec.control.types import RequestOutcome
-    from adaptspec.serve.controller import ControlCore
+    from adaptspec.serve.controller import ControlCore, PolicyUpdate
     from adaptspec.serve.convert import to_stats
     from adaptspec.serve.types import ClassDelta, ReplicaReport, ReplicaState
 
@@ -766,3 +768,36 @@ def test_controller_core_counts_the_policys_cpu_and_stats_carry_it():
     st = own.stats()
     assert st.process_cpu_s >= st.policy_cpu_s > 0.0  # the process's CPU since it started holds the policy's
     assert to_stats(st).controller_cpu_s == st.process_cpu_s
+    # the model-based policy's cost model against the step, predicted before it learned from it
+    (row,) = to_stats(st).cost_check
+    assert (row.verify_tokens_from, row.verify_tokens_to, row.drafted, row.steps) == (0, 7, True, 1)
+    assert row.measured_s == pytest.approx(0.012) and row.predicted_s > 0
+    plain = StepOutcome.from_requests([RequestOutcome("r", "chat", "none", 0, 0, 1)], batch_size=1, num_prefill=0,
+                                      verify_tokens=1, context_tokens=10, draft_s=0.0, verify_s=0.01,
+                                      other_s=0.001, wall_s=0.011)
+    own.report(ReplicaReport(ReplicaState("r1", batch_size=1), [plain], [], 0.25))
+    assert [(r["drafted"], r["steps"]) for r in own.stats().cost_check.table()] == [(False, 1), (True, 1)]
+    own.update(PolicyUpdate(policy="static:none:0"))  # a static policy predicts nothing
+    own.report(rep)
+    assert own.stats().cost_check is None and not to_stats(own.stats()).cost_check
+
+
+def test_stats_table_shows_the_controllers_cpu_and_cost_check():
+    from rich.console import Console
+
+    from adaptspec.proto import adaptspec_pb2 as pb
+    from adaptspec.serve.cli import stats_table
+
+    st = pb.GetStatsResponse(policy="thompson", uptime_s=100.0, policy_cpu_s=1.5, controller_cpu_s=4.0, cost_check=[
+        pb.CostCheckRow(verify_tokens_from=0, verify_tokens_to=7, drafted=False, steps=10, predicted_s=0.9,
+                        measured_s=1.0),
+        pb.CostCheckRow(verify_tokens_from=8, verify_tokens_to=15, drafted=True, steps=5, predicted_s=0.4,
+                        measured_s=0.5)])
+    con = Console(record=True, width=200)
+    con.print(stats_table(st))
+    text = " ".join(con.export_text().split())  # the caption wraps at the table's width
+    assert "controller: 4.0 CPU s since start (4.0% of a core), 1.5 of them in the policy" in text
+    assert "plain steps 0.900 (10), steps with drafted rows 0.800 (5)" in text
+    bare = Console(record=True, width=200)
+    bare.print(stats_table(pb.GetStatsResponse(policy="static:none:0", uptime_s=1.0)))
+    assert "controller:" not in bare.export_text() and "predicted" not in bare.export_text()
