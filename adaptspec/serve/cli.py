@@ -520,12 +520,15 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
         per_round: dict[str, list[float]] = {p: [] for p in pols}
         cpu: dict[str, list[float]] = {p: [0.0, 0.0, 0.0] for p in pols}  # wall, policy, process seconds
         checks: dict[str, CostCheck] = {p: CostCheck() for p in pols}  # each policy's steps at this level
+        round_arms: dict[str, list[dict]] = {p: [] for p in pols}
+        round_checks: dict[str, list[list]] = {p: [] for p in pols}
         for r in range(rounds):
             for pol in pols if r % 2 == 0 else pols[::-1]:
                 if fresh or pol != current():
                     switch(pol, fresh)
                 before, t0 = usage() if usage else None, time.perf_counter()
                 got, window = run_one(n)
+                one = CostCheck()
                 if before is not None:
                     after = usage()
                     cpu[pol][0] += time.perf_counter() - t0
@@ -533,12 +536,16 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
                     cpu[pol][2] = cpu[pol][2] + after[1] - before[1] if None not in (after[1], before[1]) else None
                     for key, row in after[2].items():
                         old = before[2].get(key, (0.0, 0.0, 0.0))
+                        one.rows[key] = [row[i] - old[i] for i in range(3)]
                         got_row = checks[pol].rows.setdefault(key, [0.0, 0.0, 0.0])
                         for i in range(3):
                             got_row[i] += row[i] - old[i]
                 recs[pol] += got
                 windows[pol].append(window)
-                per_round[pol].append(summarize(pol, n, got, window, spec).throughput_tokens_per_s)
+                this = summarize(pol, n, got, window, spec)
+                per_round[pol].append(this.throughput_tokens_per_s)
+                round_arms[pol].append(this.arms)
+                round_checks[pol].append(cost_check_ratios(one.table()))
         for pol in pols:
             s = summarize(pol, n, recs[pol], windows[pol], spec)
             s.round_tokens_per_s = per_round[pol] if rounds > 1 else []
@@ -547,6 +554,9 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
                 s.policy_cpu_share = policy_s / wall
                 s.controller_cpu_share = None if process_s is None else process_s / wall
             s.cost_check = checks[pol].table()
+            if rounds > 1:
+                s.round_arms = round_arms[pol]
+                s.round_cost_check = round_checks[pol] if s.cost_check else []
             results.append(s)
             load = (f"  controller CPU {s.controller_cpu_share:.1%} of a core (policy {s.policy_cpu_share:.1%})"
                     if s.controller_cpu_share is not None else
@@ -555,7 +565,10 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
                           f"{s.goodput_requests_per_s:5.2f} req/s  e2e p50 {s.e2e_p50_s:.2f}s  "
                           f"arms {', '.join(f'{k}:{top_arm(v)}' for k, v in s.arms.items())}{load}")
             if s.cost_check:
-                console.print(f"{'':>18} {'':<6} {cost_check_line(s.cost_check)}")
+                by_round = "".join(
+                    f"{' ' if i else '; round by round (plain/drafted) '}"
+                    + "/".join(f"{x[0]:.3f}" if x else "-" for x in r) for i, r in enumerate(s.round_cost_check))
+                console.print(f"{'':>18} {'':<6} {cost_check_line(s.cost_check)}{by_round}")
     return results
 
 
@@ -566,15 +579,22 @@ def controller_usage(stats) -> tuple[float, float | None, dict]:
     return stats.policy_cpu_s, stats.controller_cpu_s if stats.HasField("controller_cpu_s") else None, rows
 
 
-def cost_check_line(rows: list[dict]) -> str:
-    """The learned step time over the measured one, for plain steps and steps with drafted rows."""
-    parts = []
-    for drafted, name in ((False, "plain steps"), (True, "steps with drafted rows")):
+def cost_check_ratios(rows: list[dict]) -> list:
+    """[plain, drafted]: each kind of step's predicted / measured step time and steps, [ratio,
+    steps] (None where no step of that kind ran), from cost check rows."""
+    out = []
+    for drafted in (False, True):
         sel = [r for r in rows if r["drafted"] == drafted]
         n = sum(r["steps"] for r in sel)
-        if n:
-            pred, meas = (sum(r[k] * r["steps"] for r in sel) for k in ("predicted_ms", "measured_ms"))
-            parts.append(f"{name} {pred / meas:.3f} ({n})")
+        pred, meas = (sum(r[k] * r["steps"] for r in sel) for k in ("predicted_ms", "measured_ms"))
+        out.append([pred / meas, n] if n and meas > 0 else None)
+    return out
+
+
+def cost_check_line(rows: list[dict]) -> str:
+    """The learned step time over the measured one, for plain steps and steps with drafted rows."""
+    parts = [f"{name} {got[0]:.3f} ({got[1]})" for name, got in zip(("plain steps", "steps with drafted rows"),
+                                                                    cost_check_ratios(rows)) if got]
     return "predicted / measured step time: " + ", ".join(parts)
 
 

@@ -148,6 +148,11 @@ class LevelSummary:
     # a model-based policy's step-cost model against the steps of its runs (the controller's
     # CostCheck rows: verify_tokens, drafted, steps, predicted_ms, measured_ms); empty: none
     cost_check: list[dict] = field(default_factory=list)
+    # each round's arms (class -> arm -> steps) and, for a model-based policy, its cost check
+    # (plain steps' and drafted steps' predicted / measured step time; None: no such steps), in
+    # the order the rounds ran: what a policy did in the round after a load change
+    round_arms: list[dict] = field(default_factory=list)
+    round_cost_check: list[list] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -1,5 +1,7 @@
 """The load test measures inside its window: tokens that arrived in it, requests that
 finished in it; a request cut at the window's end counts its tokens, not its latency."""
+import pytest
+
 from adaptspec.serve.loadtest import LoadSpec, RequestRecord, Window, summarize
 
 SPEC = LoadSpec(["chat"], max_tokens=4, slo_ttft_s=1.0, slo_tpot_s=0.5)
@@ -97,6 +99,7 @@ def test_interleaved_levels_keep_each_rounds_throughput():
     assert (a.policy, b.policy) == ("a", "b")
     assert a.round_tokens_per_s == [2.0, 4.0] and b.round_tokens_per_s == [3.0, 6.0]
     assert a.throughput_tokens_per_s == 3.0 and b.throughput_tokens_per_s == 4.5
+    assert len(a.round_arms) == 2 and a.round_cost_check == []  # no cost check read (no usage)
     one = _interleaved_levels([1], ["a"], 1, False, SPEC, Console(file=None, quiet=True),
                               current=lambda: state["policy"], switch=lambda p, reset: state.update(policy=p),
                               run_one=run_one)
@@ -125,9 +128,39 @@ def test_interleaved_levels_charge_the_controllers_cpu_to_the_policy_that_ran(mo
     a, b = cli._interleaved_levels([4], ["a", "b"], 2, False, SPEC, Console(file=None, quiet=True),
                                    usage=lambda: (*state["cpu"], {}), **kw)
     assert (a.policy_cpu_share, a.controller_cpu_share) == (0.1, 0.2)
+    assert a.cost_check == [] and a.round_cost_check == []  # no rows: no model-based policy
     assert (b.policy_cpu_share, b.controller_cpu_share) == (0.0, 0.0)
     a, _ = cli._interleaved_levels([4], ["a", "b"], 1, False, SPEC, Console(file=None, quiet=True),
                                    usage=lambda: (state["cpu"][0], None, {}), **kw)
     assert (a.policy_cpu_share, a.controller_cpu_share) == (0.1, None)
     a, _ = cli._interleaved_levels([4], ["a", "b"], 1, False, SPEC, Console(file=None, quiet=True), **kw)
     assert (a.policy_cpu_share, a.controller_cpu_share) == (None, None)  # not measured
+
+
+def test_interleaved_levels_keep_the_cost_check_of_each_policys_runs_and_rounds():
+    """The cost check's counters read around each run: the rows' differences go to the policy
+    that ran, pooled over its rounds and round by round (plain and drafted apart)."""
+    from rich.console import Console
+
+    from adaptspec.serve import cli
+
+    state = {"policy": "a", "rows": {}}
+
+    def run_one(n):  # "a" runs two plain steps predicted at 9 ms that took 10, then one drafted at 20 / 25
+        if state["policy"] == "a":
+            plain = state["rows"].get((0, False), (0.0, 0.0, 0.0))
+            drafted = state["rows"].get((8, True), (0.0, 0.0, 0.0))
+            state["rows"] = {(0, False): (plain[0] + 2, plain[1] + 0.018, plain[2] + 0.020),
+                             (8, True): (drafted[0] + 1, drafted[1] + 0.020, drafted[2] + 0.025)}
+        return [_rec(0.0, 0.1, [1.0])], Window(0.0, 5.0)
+
+    a, b = cli._interleaved_levels([4], ["a", "b"], 2, False, SPEC, Console(file=None, quiet=True),
+                                   current=lambda: state["policy"], switch=lambda p, reset: state.update(policy=p),
+                                   run_one=run_one, usage=lambda: (0.0, None, dict(state["rows"])))
+    rows = {(r["verify_tokens"], r["drafted"]): r for r in a.cost_check}
+    assert rows[("0-7", False)]["steps"] == 4 and rows[("0-7", False)]["predicted_ms"] == pytest.approx(9.0)
+    assert rows[("8-15", True)]["measured_ms"] == pytest.approx(25.0)
+    assert a.round_cost_check == [[[pytest.approx(0.9), 2], [pytest.approx(0.8), 1]]] * 2
+    assert b.cost_check == [] and b.round_cost_check == []
+    assert cli.cost_check_line(a.cost_check) == ("predicted / measured step time: plain steps 0.900 (4), "
+                                                 "steps with drafted rows 0.800 (2)")
