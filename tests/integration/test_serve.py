@@ -435,6 +435,9 @@ def test_loadtest_command_over_grpc_interleaves_policies_and_restores_the_deploy
     assert [(x["policy"], x["concurrency"]) for x in levels] == [("static:none:0", 2), ("static:ngram:2", 2)]
     for lv in levels:
         assert lv["requests"] > 0 and lv["errors"] == 0
+        # the controller's CPU over the policy's runs, read off GetStats; a static policy has no cost model
+        assert 0 < lv["controller_cpu_share"] < 2 and lv["policy_cpu_share"] >= 0
+        assert lv["cost_check"] == [] and len(lv["round_arms"]) == 2
     top = [{max(per, key=per.get) for per in lv["arms"].values()} for lv in levels]
     assert top[0] == {"none:0"} and top[1] <= {"ngram:2", "ngram:1"}, top
     assert client.policy().policy == deployed
