@@ -123,6 +123,18 @@ def check_thresholds(thresholds: tuple[float, ...], where: str = "thresholds") -
 # how fast the picture forgets, in seconds of observed steps (a class's demand moves with
 # arrivals: bursts of a few seconds must register, noise of single steps must not)
 DEMAND_HALF_LIFE_S = 4.0
+# A load shift: the batch of the last quarter half-life (time-averaged decoding requests, plus half
+# a request so that a batch of 0 or 1 is no shift) this many times the picture's or less than its
+# inverse. While it lasts the picture keeps a sixteenth of its half-life, so it holds the new
+# load within a second or two of steps, not the several half-lives plain forgetting takes. Why: a
+# picture of one client's batch, carried into a step to four clients, priced the batch at a
+# quarter of its size and planned the speculation a lone request is worth for seconds after the
+# change (the live loadtest's first round at a level lost 6-14% to the rounds after it, the static
+# arms none; the simulator, with thompson carried from one client to four: 0.95 of a warm one in
+# the first fifteen seconds).
+SHIFT_RATIO = 1.5
+SHIFT_SETTLED = 1.1
+SHIFT_SHARE = 0.25
 FILL_DISCOUNT = 0.98  # per observed group: a class's fill (candidates proposed / asked for)
 FILL_PRIOR = 4.0  # candidates of "proposes all k" a class starts from (a weak prior)
 
@@ -163,11 +175,30 @@ class BatchPicture:
     _steps_w: float = 0.0  # discounted number of steps
     steps: int = 0
     version: int = 0  # bumped by every observed step
+    shift_ratio: float = SHIFT_RATIO  # see SHIFT_RATIO; inf: never forget faster
+    shifts: int = 0  # steps observed while a load shift held (see SHIFT_RATIO)
+    _fast_busy: float = 0.0  # discounted seconds of steps, at the quarter half-life
+    _fast_rs: float = 0.0  # discounted decoding requests x step seconds, at the quarter half-life
+    _shifting: bool = False
 
     def observe(self, step: StepOutcome) -> None:
         self.version += 1
         self.steps += 1
         g = 0.5 ** (step.wall_s / self.half_life_s) if self.half_life_s > 0 else 0.0
+        if self.half_life_s > 0 and np.isfinite(self.shift_ratio):
+            fast_life = SHIFT_SHARE * self.half_life_s
+            gf = 0.5 ** (step.wall_s / fast_life)
+            self._fast_busy = gf * self._fast_busy + step.wall_s
+            self._fast_rs = gf * self._fast_rs + sum(grp.num_requests for grp in step.groups) * step.wall_s
+            if self._fast_busy >= fast_life and self.busy_s > 0:
+                fast, slow = self._fast_rs / self._fast_busy + 0.5, self.request_seconds / self.busy_s + 0.5
+                # until the picture is within SHIFT_SETTLED of the new load (hysteresis: it
+                # approaches it from one side, and stopping at the entry ratio left it there)
+                ratio = max(fast, slow) / min(fast, slow)
+                self._shifting = ratio > (SHIFT_SETTLED if self._shifting else self.shift_ratio)
+                if self._shifting:
+                    g = gf ** 4  # a quarter of the fast picture's memory: at its own, it trailed it
+                    self.shifts += 1
         self.busy_s = g * self.busy_s + step.wall_s
         self.prefill_tokens = g * self.prefill_tokens + step.num_prefill
         self.prefill_chunks = g * self.prefill_chunks + step.prefill_chunks

@@ -377,3 +377,35 @@ def test_large_batches_are_priced_by_a_quadrature_that_agrees_with_enumeration(n
     assert curve(V) @ prob == pytest.approx(exact, rel=0.005)
     mean = curve(verify @ batch)
     assert (np.abs(mean / exact - 1.0) > 0.005).any()
+
+
+def _plain_step(n: int, wall_s: float) -> StepOutcome:
+    """A step of ``n`` decoding requests of class x without speculation."""
+    hist = np.array([n], dtype=np.int64)
+    return StepOutcome(n, 0, n, 100 * n, 0.0, wall_s, 0.0, wall_s, [GroupOutcome("x", NO_SPEC, hist, n)])
+
+
+def test_the_picture_takes_a_load_shift_within_seconds_and_ignores_a_batchs_jitter():
+    """Four clients after a minute of one: the picture's batch is the new one (within 10%) four
+    seconds of steps later, where plain forgetting at the 4 s half-life is half way (the negative
+    control: shift detection off); a batch that jitters between 3 and 4 every step, and one of 0
+    or 1 (a lone request between prefills), never counts as a shift."""
+    from adaptspec.control.planner import BatchPicture
+
+    def run(shift_ratio: float) -> BatchPicture:
+        pic = BatchPicture(shift_ratio=shift_ratio)
+        for _ in range(600):  # a minute of one client
+            pic.observe(_plain_step(1, 0.1))
+        for _ in range(40):  # four seconds of four
+            pic.observe(_plain_step(4, 0.1))
+        return pic
+
+    assert run(1.5).in_system == pytest.approx(4.0, rel=0.1)
+    assert run(np.inf).in_system < 2.6
+    for sizes in ((3, 4), (0, 1)):
+        pic = BatchPicture()
+        for i in range(2000):
+            pic.observe(_plain_step(sizes[i % 2], 0.1 if i % 7 else 0.3))
+        assert pic.shifts == 0
+    pic = run(1.5)
+    assert 0 < pic.shifts < 40
