@@ -299,6 +299,10 @@ def loadtest(
                                            "clients keep going into the window, so its load is steady"),
     rounds: int = typer.Option(1, help="measured runs per policy and level, interleaving the policies "
                                        "(seconds measured per policy and level: rounds x duration)"),
+    level_warmup: float = typer.Option(
+        15.0, help="unmeasured seconds of load at each new level before its first round, under the first static "
+                   "policy listed (else the first): the first run at a new load runs slow whatever its policy "
+                   "(0.88 of its later rounds, measured), which would be charged to the first policy"),
     fresh: bool = typer.Option(False, "--fresh", help="start each run's policy afresh (the cold start); "
                                                       "default: an adaptive policy resumes what it learned in "
                                                       "its earlier runs, as a deployed controller keeps learning"),
@@ -365,7 +369,7 @@ def loadtest(
         if bad:
             raise ValueError(f"--in-process: {', '.join(bad)} need the service (no Serve runs in-process)")
         return _loadtest_in_process(config, torch_threads, levels, [p for p in policies.split(",") if p], spec,
-                                    duration, warmup, rounds, fresh, json_path, console)
+                                    duration, warmup, rounds, fresh, json_path, console, level_warmup)
     if start:
         from adaptspec.serve.config import load_config
 
@@ -383,7 +387,8 @@ def loadtest(
                 levels if pols else [], pols, rounds, fresh, spec, console, current=lambda: c.policy().policy,
                 switch=lambda p, reset: c.update_policy(p, reset=reset),
                 run_one=lambda n: run_level(load, n, duration, spec, warmup_s=warmup),
-                usage=lambda: controller_usage(c.stats()))
+                usage=lambda: controller_usage(c.stats()),
+                warm_one=(lambda n: run_level(load, n, level_warmup, spec)) if level_warmup > 0 else None)
             if http_overhead:
                 http_vs_grpc = _http_overhead(c, HttpClient(f"{http_url.rstrip('/')}/{app_name}", api_key),
                                               http_overhead, spec, [p for p in policies.split(",") if p], console)
@@ -502,14 +507,17 @@ def _http_overhead(c, http, n: int, spec, pols: list[str], console) -> dict:
 
 
 def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, switch, run_one,
-                        usage=None) -> list:
+                        usage=None, warm_one=None) -> list:
     """Per level, ``rounds`` runs of every policy, interleaved (order reversed every other
     round, so drift in the machine's load hits every policy alike; each run has its own
     warm-up); one printed and returned summary per (level, policy). ``current()`` names the
     policy in force, ``switch(policy, reset)`` changes it, ``run_one(concurrency)`` returns
     one run's (records, window); ``usage()`` (optional) the controller's counters so far, read
     around every run: CPU seconds in the policy's calls, in its whole process (or None), and
-    its cost check's rows ({(from, drafted): [steps, predicted s, measured s]})."""
+    its cost check's rows ({(from, drafted): [steps, predicted s, measured s]}); ``warm_one(concurrency)``
+    (optional) an unmeasured run at each level before its first round, under the first static policy
+    listed (else the first): the first run at a new load ran slow whatever its policy, and the
+    interleaving put one policy there at every level."""
     from adaptspec.serve.controller import CostCheck
     from adaptspec.serve.loadtest import as_arrivals, summarize, top_arm
 
@@ -522,6 +530,11 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
         checks: dict[str, CostCheck] = {p: CostCheck() for p in pols}  # each policy's steps at this level
         round_arms: dict[str, list[dict]] = {p: [] for p in pols}
         round_checks: dict[str, list[list]] = {p: [] for p in pols}
+        if warm_one is not None and pols:
+            pol = next((p for p in pols if p.startswith("static")), pols[0])
+            if fresh or pol != current():
+                switch(pol, fresh)
+            warm_one(n)
         for r in range(rounds):
             for pol in pols if r % 2 == 0 else pols[::-1]:
                 if fresh or pol != current():
@@ -611,7 +624,7 @@ def cost_check_table(policy: str, rows: list[dict]):
 
 
 def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration, warmup, rounds, fresh, json_path,
-                         console) -> None:
+                         console, level_warmup: float = 0.0) -> None:
     from rich.progress import Progress
     from rich.table import Table
 
@@ -634,7 +647,8 @@ def _loadtest_in_process(config, torch_threads, levels, policies, spec, duration
 
         results = _interleaved_levels(levels, pols, rounds, fresh, spec, console, current=svc.policy,
                                       switch=lambda p, reset: svc.update_policy(p, reset=reset), run_one=run_one,
-                                      usage=svc.usage)
+                                      usage=svc.usage, warm_one=(lambda n: svc.run_level(n, level_warmup, spec))
+                                      if level_warmup > 0 else None)
     t = Table(title="loadtest (in-process: engine and controller, no Serve, no gRPC)")
     for col in ("policy", "conc.", "req", "tok/s", "tok per decode-s", "TTFT p50/p99", "TPOT p50/p99",
                 "gap p99/max", "arms (top per class)"):

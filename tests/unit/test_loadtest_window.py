@@ -164,3 +164,26 @@ def test_interleaved_levels_keep_the_cost_check_of_each_policys_runs_and_rounds(
     assert b.cost_check == [] and b.round_cost_check == []
     assert cli.cost_check_line(a.cost_check) == ("predicted / measured step time: plain steps 0.900 (4), "
                                                  "steps with drafted rows 0.800 (2)")
+
+
+def test_each_level_is_warmed_unmeasured_under_the_first_static_policy_before_its_first_round():
+    """The first run at a new load ran slow whatever its policy (0.88 of its later rounds, live);
+    ``warm_one`` runs first at every level, under the first static policy listed, and its run is
+    not counted."""
+    from rich.console import Console
+
+    from adaptspec.serve.cli import _interleaved_levels
+
+    state = {"policy": "thompson"}
+    ran = []
+
+    def run_one(n):
+        ran.append(("run", state["policy"], n))
+        return [_rec(0.0, 0.1, [1.0])], Window(0.0, 5.0)
+
+    out = _interleaved_levels([1, 4], ["thompson", "static:none:0"], 1, False, SPEC, Console(file=None, quiet=True),
+                              current=lambda: state["policy"], switch=lambda p, reset: state.update(policy=p),
+                              run_one=run_one, warm_one=lambda n: ran.append(("warm", state["policy"], n)))
+    assert ran == [("warm", "static:none:0", 1), ("run", "thompson", 1), ("run", "static:none:0", 1),
+                   ("warm", "static:none:0", 4), ("run", "thompson", 4), ("run", "static:none:0", 4)]
+    assert [s.requests for s in out] == [1, 1, 1, 1]  # the warm-ups' requests are nobody's
