@@ -634,7 +634,7 @@ def run_fidelity(opts: FidelityOptions, console) -> tuple[list[Cell], list, dict
     cost = sim_profile(profile_path, cfg, svc.engine)
     gap = host_gaps(step_log.gaps)
     # the live controller's own step-time predictions against the engine's (a model-based policy)
-    cost_check = {p: c.table() for p, c in svc.cost_checks.items() if c.rows}
+    cost_check = {p: c.table() for p, c in svc.core.cost_checks.items() if c.rows}
     gap_by_path = {"in-process": gap}
     if opts.grpc:
         del svc  # the service's replica gets the CPU to itself
