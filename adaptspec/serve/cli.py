@@ -549,10 +549,9 @@ def _interleaved_levels(levels, pols, rounds, fresh, spec, console, *, current, 
                     cpu[pol][2] = cpu[pol][2] + after[1] - before[1] if None not in (after[1], before[1]) else None
                     for key, row in after[2].items():
                         old = before[2].get(key, (0.0, 0.0, 0.0))
-                        one.rows[key] = [row[i] - old[i] for i in range(3)]
-                        got_row = checks[pol].rows.setdefault(key, [0.0, 0.0, 0.0])
-                        for i in range(3):
-                            got_row[i] += row[i] - old[i]
+                        one.rows[key] = delta = [row[i] - old[i] for i in range(3)]
+                        pooled = checks[pol].rows.setdefault(key, [0.0, 0.0, 0.0])
+                        pooled[:] = [a + b for a, b in zip(pooled, delta)]
                 recs[pol] += got
                 windows[pol].append(window)
                 this = summarize(pol, n, got, window, spec)
