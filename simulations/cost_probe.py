@@ -1,4 +1,4 @@
-"""Run a closed-loop scenario's thompson at one level, then set what it learned beside the truth.
+"""Run a scenario's thompson at one level, then set what it learned beside the truth.
 
 Why: where thompson loses to a static arm and the planner fed the true models (`oracle-planner`)
 does not, thompson planned on a wrong belief: acceptance or step cost. This says which. After the
@@ -8,6 +8,7 @@ four drafted rows more), and the plan its posterior means make with its learned 
 true one (the same acceptance: where they differ, the cost is what misleads it).
 
     .venv/bin/python simulations/cost_probe.py simulations/cpu_live_avx2_mirror.yaml --clients 4 --seed 0
+    .venv/bin/python simulations/cost_probe.py simulations/cpu_bench_calibrated.yaml --rps 0.01 --seed 0
 """
 from __future__ import annotations
 
@@ -19,17 +20,30 @@ import numpy as np
 K_SHOWN = 4  # draft positions printed
 
 
-def probe(path: Path, clients: int, seed: int) -> None:
+def probe(path: Path, clients: int | None, rps: float | None, seed: int) -> None:
     import adaptspec.sim.runner as runner
     from adaptspec.control.planning import PlanInputs
     from adaptspec.sim.scenario import load_scenario
 
     sc, base = load_scenario(path)
     if sc.workload.closed_loop is None:
-        raise SystemExit(f"error: {path}: workload.closed_loop: this probe runs closed-loop scenarios")
-    sc.workload.closed_loop.clients = clients
-    if sc.sweep is not None:
-        sc.sweep.clients = [clients]
+        if rps is None:
+            raise SystemExit(f"error: --rps: {path} is open-loop (no workload.closed_loop): name the rate to run")
+        if sc.sweep is not None:
+            sc.sweep.rps = [rps]
+        elif getattr(sc.workload.rate, "kind", None) == "constant":
+            sc.workload.rate.rps = rps
+        else:
+            raise SystemExit(f"error: --rps: {path} has neither a sweep nor a constant rate to set")
+        level = f"{rps:g} req/s"
+    else:
+        if rps is not None:
+            raise SystemExit(f"error: --rps: {path} is closed-loop: name the level with --clients")
+        clients = 4 if clients is None else clients
+        sc.workload.closed_loop.clients = clients
+        if sc.sweep is not None:
+            sc.sweep.clients = [clients]
+        level = f"{clients} clients"
     built = []
     make = runner.build_policy
 
@@ -45,7 +59,7 @@ def probe(path: Path, clients: int, seed: int) -> None:
         runner.build_policy = make
     pol, truth = built[-1], runner.cost_model(sc, base)
     run = res.runs[0]
-    print(f"{path.name}, {clients} clients, seed {seed}: thompson {run.output_token_throughput:.2f} output tok/s")
+    print(f"{path.name}, {level}, seed {seed}: thompson {run.output_token_throughput:.2f} output tok/s")
     for c in run.classes:
         print(f"  {c.name}: " + ", ".join(f"{a} {s:.0%}" for a, s in c.arm_share[:4]))
     print("acceptance (a position's, given the ones before), learned [evidence] / truth:")
@@ -85,14 +99,17 @@ def probe(path: Path, clients: int, seed: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("scenario", type=Path, help="a closed-loop scenario with a thompson policy")
-    ap.add_argument("--clients", type=int, default=4, help="closed-loop clients (the level to run)")
+    ap.add_argument("scenario", type=Path, help="a scenario with a thompson policy")
+    ap.add_argument("--clients", type=int, default=None, help="closed-loop clients (the level to run; default 4)")
+    ap.add_argument("--rps", type=float, default=None, help="an open-loop scenario's arrival rate (the level to run)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
-    if args.clients < 1:
+    if args.clients is not None and args.clients < 1:
         raise SystemExit("error: --clients: must be >= 1")
+    if args.rps is not None and not args.rps > 0:
+        raise SystemExit("error: --rps: must be > 0")
     try:
-        probe(args.scenario, args.clients, args.seed)
+        probe(args.scenario, args.clients, args.rps, args.seed)
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: {e}") from None
 

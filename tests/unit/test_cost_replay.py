@@ -42,8 +42,19 @@ def test_the_cost_probe_sets_what_thompson_learned_beside_the_truth(capsys):
     spec = importlib.util.spec_from_file_location("cost_probe", ROOT / "simulations/cost_probe.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    mod.probe(ROOT / "simulations/cpu_live_avx2_mirror.yaml", 4, 0)
+    mod.probe(ROOT / "simulations/cpu_live_avx2_mirror.yaml", 4, None, 0)
     out = capsys.readouterr().out
     assert "thompson" in out and "acceptance" in out and "plain step" in out
     true_plan = next(line for line in out.splitlines() if line.startswith("plan on the posterior means, true cost"))
     assert true_plan.count("none") == 3, true_plan
+
+
+def test_the_cost_probe_names_the_level_flag_that_fits_the_scenario():
+    """An open-loop scenario needs ``--rps`` and a closed-loop one refuses it: each error names the flag."""
+    spec = importlib.util.spec_from_file_location("cost_probe", ROOT / "simulations/cost_probe.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit, match="--rps: .*open-loop"):
+        mod.probe(ROOT / "simulations/cpu_bench_calibrated.yaml", None, None, 0)
+    with pytest.raises(SystemExit, match="--rps: .*closed-loop"):
+        mod.probe(ROOT / "simulations/cpu_live_avx2_mirror.yaml", None, 0.5, 0)
