@@ -120,6 +120,12 @@ class DiscountedBeta:
     discount: float = 0.995
     prior_a: float = 1.0
     prior_b: float = 1.0
+    # positions 2..max_k: a prior of this many pseudo-counts at the posterior mean of the
+    # position before, in place of Beta(prior_a, prior_b) (0: that fixed prior at every
+    # position). A deep position is reached only through the ones before it, so where the first
+    # rarely accepts it stays near its prior for good; at Beta(1, 1) that is 0.5, every draw of
+    # a long k looked half-accepted at depth, and no amount of running it taught otherwise
+    carry: float = 0.0
     a: np.ndarray = field(init=False)  # [rows, max_k]
     b: np.ndarray = field(init=False)  # [rows, max_k]
     updates: int = field(init=False, default=0)
@@ -177,8 +183,21 @@ class DiscountedBeta:
     def moments(self) -> tuple[np.ndarray, np.ndarray]:
         """Posterior mean and standard deviation, each [rows, max_k]."""
         n = self.a + self.b
-        m = self.a / n
-        return m, np.sqrt(m * (1.0 - m) / (n + 1.0))
+        if self.carry <= 0 or self.max_k < 2:
+            m = self.a / n
+            return m, np.sqrt(m * (1.0 - m) / (n + 1.0))
+        # evidence beyond the fixed prior (discount and fade keep it >= 0), then position j's
+        # mean (s_j + c m_{j-1}) / (n_j + c): a linear recursion over the positions
+        s = self.a - self.prior_a
+        n_eff = n - (self.prior_a + self.prior_b)
+        n_eff[:, 1:] += self.carry
+        n_eff[:, 0] += self.prior_a + self.prior_b
+        m = s / n_eff
+        m[:, 0] += self.prior_a / n_eff[:, 0]
+        w = self.carry / n_eff[:, 1:]
+        for j in range(1, self.max_k):
+            m[:, j] += w[:, j - 1] * m[:, j - 1]
+        return m, np.sqrt(m * (1.0 - m) / (n_eff + 1.0))
 
     def sample(self, z: np.ndarray, moments: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """A posterior draw from standard normals z [rows, max_k].

@@ -197,7 +197,7 @@ def build_policy(spec: PolicySpec, sc: Scenario, truths: list[ClassTruth], cost:
             short_tokens=spec.short_tokens, fade_half_life_s=spec.fade_half_life_s,
             fade_min_steps=spec.fade_min_steps, headroom=spec.headroom,
             replan_s=spec.replan_s, replan_steps=spec.replan_steps, demand_half_life_s=spec.demand_half_life_s,
-            explore=spec.explore),
+            explore=spec.explore, carry=spec.carry),
             prior_cost=cost.prior() if spec.seed_cost_from_profile else None)
     elif isinstance(spec, UCBSpec):
         p = DiscountedUCB(cfg, UCBConfig(spec.mode, spec.discount, spec.window, spec.exploration))

@@ -15,6 +15,7 @@ from adaptspec.control import (
     StepOutcome,
 )
 from adaptspec.control.acceptance import DiscountedBeta, accepted_length_curve, successes_failures
+from adaptspec.control.thompson import ThompsonConfig
 
 
 def test_arm_validation_and_normalisation():
@@ -83,6 +84,29 @@ def test_fade_keeps_a_fraction_of_every_rows_evidence_beyond_the_prior():
     for _ in range(60):
         post.fade(0.5)
     assert post.mean() == pytest.approx(np.full((2, 2), 1 / 3))  # all evidence gone: the prior's mean
+
+
+def test_an_unreached_position_takes_the_mean_of_the_one_before():
+    """With ``carry`` a position without evidence sits at the mean of the position before it (a
+    first position accepting 1 in 10 makes the deep ones about as rare, not 0.5), evidence moves
+    each position off it, and without ``carry`` every unreached position stays at the prior's 0.5."""
+    hist = np.array([90, 10, 0, 0, 0])  # 100 request-steps of k = 4: 90 rejected the first, 10 took one
+    fixed, carried = DiscountedBeta(4, discount=1.0), DiscountedBeta(4, discount=1.0, carry=4.0)
+    for post in (fixed, carried):
+        post.update(hist)
+    m_fixed, _ = fixed.moments()
+    m, sd = carried.moments()
+    assert m[0, 0] == pytest.approx(m_fixed[0, 0]) == pytest.approx(11 / 102)  # the first: as before
+    assert m_fixed[0, 2:].tolist() == [0.5, 0.5]  # unreached, the fixed prior
+    assert m[0, 1] == pytest.approx((0 + 4 * 11 / 102) / (10 + 4))  # 10 failures at position 2
+    assert m[0, 2] == pytest.approx(m[0, 1]) and m[0, 3] == pytest.approx(m[0, 1])  # carried on
+    assert sd[0, 3] == pytest.approx(np.sqrt(m[0, 3] * (1 - m[0, 3]) / 5))  # four pseudo-counts, plus one
+    many = DiscountedBeta(4, discount=1.0, carry=4.0)
+    many.update(np.array([500, 0, 0, 0, 500]))  # deep positions always accepted once reached
+    assert many.moments()[0][0, 0] == pytest.approx(0.5)
+    assert (many.moments()[0][0, 1:] > 0.99).all()  # the evidence, not the half of the first, decides
+    with pytest.raises(ValueError, match="carry"):
+        ModelBasedThompson(ts=ThompsonConfig(carry=-1.0))
 
 
 def test_accepted_length_curve_matches_closed_form():
