@@ -183,21 +183,18 @@ class DiscountedBeta:
     def moments(self) -> tuple[np.ndarray, np.ndarray]:
         """Posterior mean and standard deviation, each [rows, max_k]."""
         n = self.a + self.b
-        if self.carry <= 0 or self.max_k < 2:
+        if self.carry <= 0:
             m = self.a / n
             return m, np.sqrt(m * (1.0 - m) / (n + 1.0))
-        # evidence beyond the fixed prior (discount and fade keep it >= 0), then position j's
-        # mean (s_j + c m_{j-1}) / (n_j + c): a linear recursion over the positions
-        s = self.a - self.prior_a
-        n_eff = n - (self.prior_a + self.prior_b)
-        n_eff[:, 1:] += self.carry
-        n_eff[:, 0] += self.prior_a + self.prior_b
-        m = s / n_eff
-        m[:, 0] += self.prior_a / n_eff[:, 0]
-        w = self.carry / n_eff[:, 1:]
+        # positions 2..K: the evidence beyond the fixed prior plus ``carry`` pseudo-counts at the
+        # mean of the position before, (s_j + c m_{j-1}) / (n_j + c), a recursion over positions
+        n[:, 1:] += self.carry - (self.prior_a + self.prior_b)
+        m = self.a / n
+        m[:, 1:] -= self.prior_a / n[:, 1:]
+        w = self.carry / n[:, 1:]
         for j in range(1, self.max_k):
             m[:, j] += w[:, j - 1] * m[:, j - 1]
-        return m, np.sqrt(m * (1.0 - m) / (n_eff + 1.0))
+        return m, np.sqrt(m * (1.0 - m) / (n + 1.0))
 
     def sample(self, z: np.ndarray, moments: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
         """A posterior draw from standard normals z [rows, max_k].
