@@ -13,15 +13,6 @@ import numpy as np
 
 _clip = np._core.umath.clip if hasattr(np, "_core") else np.core.umath.clip
 
-# DiscountedBeta.carry: the share of a position's mean above the fixed prior's that an unreached
-# position after it takes on. All of it (1) made every unreached depth of a drafter that accepts
-# well early (n-gram on extraction, 0.7-0.8) look as good, and the first plans after a load change
-# tried k = 8 there (live at 4 clients, and in the simulator's mirror of that guest: 0.970 of the
-# best static at 4 clients, 0.979 at a half); none of it (0) kept a drafter that turned excellent
-# at every depth under-drawn at depth for longer (taken back in 4 of 8 seeds within 600 steps,
-# against 6 at 1 and 5 at a half)
-CARRY_EXCESS = 0.5
-
 
 def arm_curves(p: np.ndarray, q: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Expected accepted length, drafted tokens and draft reach for k = 0..K.
@@ -133,8 +124,7 @@ class DiscountedBeta:
     # position before, in place of Beta(prior_a, prior_b) (0: that fixed prior at every
     # position). A deep position is reached only through the ones before it, so where the first
     # rarely accepts it stays near its prior for good; at Beta(1, 1) that is 0.5, every draw of
-    # a long k looked half-accepted at depth, and no amount of running it taught otherwise.
-    # A mean above the fixed prior's is carried at ``CARRY_EXCESS`` of its excess (see there)
+    # a long k looked half-accepted at depth, and no amount of running it taught otherwise
     carry: float = 0.0
     a: np.ndarray = field(init=False)  # [rows, max_k]
     b: np.ndarray = field(init=False)  # [rows, max_k]
@@ -197,16 +187,13 @@ class DiscountedBeta:
             m = self.a / n
             return m, np.sqrt(m * (1.0 - m) / (n + 1.0))
         # positions 2..K: the evidence beyond the fixed prior plus ``carry`` pseudo-counts at the
-        # mean of the position before, (s_j + c g(m_{j-1})) / (n_j + c), a recursion over positions;
-        # g(x) = x up to the fixed prior's mean m0, m0 + CARRY_EXCESS (x - m0) above it
+        # mean of the position before, (s_j + c m_{j-1}) / (n_j + c), a recursion over positions
         n[:, 1:] += self.carry - (self.prior_a + self.prior_b)
         m = self.a / n
         m[:, 1:] -= self.prior_a / n[:, 1:]
         w = self.carry / n[:, 1:]
-        m0 = self.prior_a / (self.prior_a + self.prior_b)
         for j in range(1, self.max_k):
-            prev = m[:, j - 1]
-            m[:, j] += w[:, j - 1] * np.where(prev > m0, m0 + CARRY_EXCESS * (prev - m0), prev)
+            m[:, j] += w[:, j - 1] * m[:, j - 1]
         return m, np.sqrt(m * (1.0 - m) / (n + 1.0))
 
     def sample(self, z: np.ndarray, moments: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:

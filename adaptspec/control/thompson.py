@@ -43,9 +43,8 @@ class ThompsonConfig:
     demand_half_life_s: float = 4.0  # how fast the picture of each class's demand forgets
     explore: float = 0.05  # share of steps that try every class one k up or down (cost-model coverage)
     # acceptance at a position not yet reached: this many pseudo-counts at the mean of the position
-    # before, half its excess over 0.5 above it (see DiscountedBeta.carry); 0: Beta(1, 1) at every
-    # position, where a class whose first position rarely accepts kept drawing long k as
-    # half-accepted at depth
+    # before (see DiscountedBeta.carry); 0: Beta(1, 1) at every position, where a class whose first
+    # position rarely accepts kept drawing long k as half-accepted at depth
     carry: float = 4.0
 
 

@@ -285,8 +285,7 @@ class ThompsonSpec(_PolicyBase):
     demand_half_life_s: float = Field(4.0, gt=0, description="seconds of steps over which demand estimates forget")
     explore: float = Field(0.05, ge=0, lt=1, description="share of steps that move every class one k up or down")
     carry: float = Field(4.0, ge=0, description="acceptance at a position not yet reached: this many pseudo-counts "
-                                                "at the mean of the position before, half its excess over 0.5 above "
-                                                "it (0: Beta(1, 1) at every position)")
+                                                "at the mean of the position before (0: Beta(1, 1) at every position)")
     thresholds: list[float] | None = Field(None, description="draft-confidence thresholds it may set (null: the "
                                                              "scenario's `thresholds`; []: none)")
 

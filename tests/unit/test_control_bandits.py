@@ -134,18 +134,15 @@ def test_a_drafter_that_lost_is_tried_again_only_with_fading(fade):
     joint plan, a class that never tried the draft explores it, and a class whose draft
     forward another class already pays for tries it almost for free.)"""
     policy = ModelBasedThompson(PolicyConfig(("ngram", "draft"), 8, (), seed=3), ThompsonConfig(fade_half_life_s=fade, fade_min_steps=1))
-    # 1200 steps after: its deep positions, never reached while it lost, are drawn at half the
-    # first position's excess over 0.5 (CARRY_EXCESS), so taking it back to long k takes a few
-    # hundred steps (over eight policy seeds, 236-293 of the last 300 steps on the draft)
-    before, after = 300, 1200
+    before, after = 300, 600
     history = run(policy, (CHAT_DRAFT_BAD, CHAT_DRAFT_BAD), (CHAT_DRAFT_BAD, CHAT_DRAFT_GOOD), before + after, before)
     assert sum(b.drafter == "draft" for _, b in history[before - 100:before]) <= 10  # settled off the draft
-    tail = [b.drafter for _, b in history[-300:]]
+    tail = [b.drafter for _, b in history[-100:]]
     if fade is None:
-        assert tail.count("draft") <= 30, "without fading the draft was retried"
+        assert tail.count("draft") <= 10, "without fading the draft was retried"
     else:
         # taken back for most of chat's steps (posterior draws still put some on n-gram)
-        assert tail.count("draft") >= 225, f"the draft was not taken back: {tail.count('draft')} of 300"
+        assert tail.count("draft") >= 75, f"the draft was not taken back: {tail.count('draft')} of 100"
 
 
 def _weight_kept(fade_min_steps: int, step_s: float, idle_steps: int = 100) -> float:

@@ -14,7 +14,7 @@ from adaptspec.control import (
     StaticPolicy,
     StepOutcome,
 )
-from adaptspec.control.acceptance import CARRY_EXCESS, DiscountedBeta, accepted_length_curve, successes_failures
+from adaptspec.control.acceptance import DiscountedBeta, accepted_length_curve, successes_failures
 from adaptspec.control.thompson import ThompsonConfig
 
 
@@ -105,23 +105,6 @@ def test_an_unreached_position_takes_the_mean_of_the_one_before():
     many.update(np.array([500, 0, 0, 0, 500]))  # deep positions always accepted once reached
     assert many.moments()[0][0, 0] == pytest.approx(0.5)
     assert (many.moments()[0][0, 1:] > 0.99).all()  # the evidence, not the half of the first, decides
-    # a mean above the fixed prior's 0.5 is carried at half its excess (CARRY_EXCESS): a first
-    # position accepting 8 in 10 puts an unreached one at 0.5 + (0.8 - 0.5) / 2, not at 0.8
-    assert CARRY_EXCESS == 0.5
-    high = DiscountedBeta(4, discount=1.0, carry=4.0)
-    high.update(np.array([20, 0, 0, 0, 0]))  # 20 rejected the first, no evidence deeper
-    m_high = high.moments()[0][0]
-    assert m_high[0] == pytest.approx(1 / 22)  # below 0.5: carried whole, as above
-    high.update(np.array([0, 0, 0, 0, 80]))  # now 80 request-steps took all four
-    first = 81 / 102
-    m_high = high.moments()[0][0]
-    assert m_high[0] == pytest.approx(first)
-    carried = 0.5 + 0.5 * (first - 0.5)
-    assert m_high[1] == pytest.approx((80 + 4 * carried) / (80 + 4))  # the evidence, then half the excess
-    unreached = DiscountedBeta(4, discount=1.0, carry=4.0)
-    unreached.update(np.array([20, 80, 0, 0, 0]))  # 80 took one and missed the second
-    m_u = unreached.moments()[0][0]
-    assert m_u[1] == pytest.approx((0 + 4 * (0.5 + 0.5 * (81 / 102 - 0.5))) / (80 + 4))
     with pytest.raises(ValueError, match="carry"):
         ModelBasedThompson(ts=ThompsonConfig(carry=-1.0))
 
