@@ -29,10 +29,14 @@ class ThompsonConfig:
     # every class's acceptance evidence (every drafter's) keeps half its weight beyond the
     # prior per this many seconds of steps (the steps' own durations: simulated time in the
     # simulator, busy time live), so a drafter that lost is tried again after a while; None:
-    # only the per-step discount of the drafter that ran (a drafter that lost is never retried)
-    fade_half_life_s: float | None = 60.0
+    # only the per-step discount of the drafter that ran (a drafter that lost is never retried).
+    # One plan's try of a drafter at a large batch holds a hundred or more request-steps of
+    # evidence, and a draw makes it look good again only once that has faded to a handful
+    # (about log2(100 / 5) half-lives): at 60 s a drafter that turned good came back after 4-5
+    # minutes, at 30 s in 1.5-2 (simulations/draft_recovers.yaml)
+    fade_half_life_s: float | None = 30.0
     # ... but never faster than half per this many observed steps: where a step takes seconds
-    # (a CPU replica, a loaded one) 60 s is a few dozen steps, the posteriors never hold more
+    # (a CPU replica, a loaded one) 30 s is a few dozen steps, the posteriors never hold more
     # than that, and every plan's draw scatters the classes over arms that differ by noise
     fade_min_steps: int = 500
     headroom: float = 1.25  # capacity sought beyond today's demand (see planner)

@@ -165,12 +165,12 @@ class ControllerOptions(_Strict):
                     "slowed a lone request by 3-5 percent on the 2-core CPU box)")
     seed: int = Field(0, description="policy random seed")
     fade_half_life_s: float | None = Field(
-        60.0, gt=0, description="thompson: seconds of engine steps in which every drafter's acceptance evidence "
+        30.0, gt=0, description="thompson: seconds of engine steps in which every drafter's acceptance evidence "
                                 "loses half its weight, so a drafter that lost is tried again when it may have "
                                 "improved; null: only the drafter that ran is discounted (never retried)")
     fade_min_steps: int = Field(
         500, ge=1, description="thompson: ... but never faster than half per this many engine steps (where a step "
-                               "takes a second, 60 s would keep a few dozen steps of evidence and scatter the plans "
+                               "takes a second, 30 s would keep a few dozen steps of evidence and scatter the plans "
                                "over arms that differ by noise)")
     niceness: int = Field(
         10, ge=0, le=19, description="CPU niceness of the controller's process (0: unchanged): its bursts of work "

@@ -18,7 +18,7 @@ log = logging.getLogger("adaptspec.serve.policies")
 
 
 def make_policy(name: str, *, drafters: tuple[str, ...], max_k: int, targets: tuple[ClassTarget, ...] = (),
-                seed: int = 0, prior_cost=None, fade_half_life_s: float | None = 60.0, fade_min_steps: int = 500,
+                seed: int = 0, prior_cost=None, fade_half_life_s: float | None = 30.0, fade_min_steps: int = 500,
                 thresholds: tuple[float, ...] = (), field: str = "policy",
                 classes: tuple[str, ...] | None = None) -> Policy:
     """Build a policy by name; ValueError names ``field`` on a bad name. ``prior_cost``: a

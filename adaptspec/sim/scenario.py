@@ -275,7 +275,7 @@ class ThompsonSpec(_PolicyBase):
     spread_z: float = Field(1.0, ge=0, description="budget TPOT at z standard errors below a short request's mean accepted length")
     short_tokens: float = Field(64.0, gt=0, description="output tokens of the short request spread_z is taken for")
     fade_half_life_s: float | None = Field(
-        60.0, gt=0, description="seconds of steps in which every drafter's acceptance evidence loses half its "
+        30.0, gt=0, description="seconds of steps in which every drafter's acceptance evidence loses half its "
                                 "weight (a drafter that lost is tried again); null: no fading")
     fade_min_steps: int = Field(500, ge=1, description="... but never faster than half per this many steps")
     seed_cost_from_profile: bool = Field(False, description="seed the cost model with the hardware profile")
