@@ -31,9 +31,10 @@ class ThompsonConfig:
     # simulator, busy time live), so a drafter that lost is tried again after a while; None:
     # only the per-step discount of the drafter that ran (a drafter that lost is never retried).
     # One plan's try of a drafter at a large batch holds a hundred or more request-steps of
-    # evidence, and a draw makes it look good again only once that has faded to a handful
-    # (about log2(100 / 5) half-lives): at 60 s a drafter that turned good came back after 4-5
-    # minutes, at 30 s in 1.5-2 (simulations/draft_recovers.yaml)
+    # evidence, and a draw makes it look good again only once that has faded to a handful, about
+    # log2(100 / 5) half-lives later: the half-life sets how long a drafter that turned good waits
+    # (simulations/draft_recovers.yaml). The service config and the scenario schema repeat these
+    # two defaults without importing this module (tests/unit/test_serve_config.py keeps them equal)
     fade_half_life_s: float | None = 30.0
     # ... but never faster than half per this many observed steps: where a step takes seconds
     # (a CPU replica, a loaded one) 30 s is a few dozen steps, the posteriors never hold more

@@ -17,8 +17,12 @@ AVAILABLE = ("thompson", "ucb", "ema", "heuristic", "static:<drafter>:<k>[/<clas
 log = logging.getLogger("adaptspec.serve.policies")
 
 
+_THOMPSON = ThompsonConfig()  # the fading defaults, kept in one place
+
+
 def make_policy(name: str, *, drafters: tuple[str, ...], max_k: int, targets: tuple[ClassTarget, ...] = (),
-                seed: int = 0, prior_cost=None, fade_half_life_s: float | None = 30.0, fade_min_steps: int = 500,
+                seed: int = 0, prior_cost=None, fade_half_life_s: float | None = _THOMPSON.fade_half_life_s,
+                fade_min_steps: int = _THOMPSON.fade_min_steps,
                 thresholds: tuple[float, ...] = (), field: str = "policy",
                 classes: tuple[str, ...] | None = None) -> Policy:
     """Build a policy by name; ValueError names ``field`` on a bad name. ``prior_cost``: a

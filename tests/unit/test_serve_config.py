@@ -70,10 +70,29 @@ def test_bad_config_names_the_field(data, field):
 def test_the_controller_fading_settings_reach_the_policy():
     from adaptspec.serve.policies import make_policy
 
-    c = ServiceConfig.model_validate({"controller": {"fade_half_life_s": 30.0, "fade_min_steps": 200}}).controller
+    # values other than the defaults, or the test would pass without the settings reaching it
+    c = ServiceConfig.model_validate({"controller": {"fade_half_life_s": 45.0, "fade_min_steps": 200}}).controller
     p = make_policy("thompson", drafters=("ngram",), max_k=4, fade_half_life_s=c.fade_half_life_s,
                     fade_min_steps=c.fade_min_steps)
-    assert (p.ts.fade_half_life_s, p.ts.fade_min_steps) == (30.0, 200)
+    assert (p.ts.fade_half_life_s, p.ts.fade_min_steps) == (45.0, 200)
+
+
+def test_the_fading_defaults_are_the_policys_own():
+    """The service config and the scenario schema repeat thompson's fading defaults (they import
+    no numpy); a default changed in one place only would make the service, the simulator and the
+    policy built in code fade at different rates."""
+    from adaptspec.control import ThompsonConfig
+    from adaptspec.serve.config import ControllerOptions
+    from adaptspec.serve.policies import make_policy
+    from adaptspec.sim.scenario import ThompsonSpec
+
+    ts = ThompsonConfig()
+    want = (ts.fade_half_life_s, ts.fade_min_steps)
+    for schema in (ControllerOptions, ThompsonSpec):
+        f = schema.model_fields
+        assert (f["fade_half_life_s"].default, f["fade_min_steps"].default) == want, schema.__name__
+    p = make_policy("thompson", drafters=("ngram",), max_k=4)
+    assert (p.ts.fade_half_life_s, p.ts.fade_min_steps) == want
 
 
 def test_a_static_policy_takes_an_arm_per_class_and_names_what_is_wrong():
